@@ -1,0 +1,204 @@
+"""batchd's settings: one object, three layers.
+
+Precedence, highest first: ``BATCHD_*`` environment variables (nested options
+use a double underscore, e.g. ``BATCHD_ENGINE__MAX_NUM_SEQS``), then a TOML
+file (``--config FILE`` or ``BATCHD_CONFIG``), then the defaults below. The
+documented default file ``config/batchd.toml`` lists every option.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CONFIG_ENV_VAR = "BATCHD_CONFIG"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineSettings(_Section):
+    """Continuous-batching engine limits and policies (see engine.EngineConfig)."""
+
+    max_num_seqs: int = Field(32, ge=1, description="Most sequences running at once.")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget of one engine step (decodes + prefill chunks)."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV pool size in blocks; unset sizes it from available memory."
+    )
+    kv_memory_fraction: float = Field(
+        0.5, gt=0, le=1, description="Share of free memory the KV pool may take when sized."
+    )
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
+    enable_preemption: bool = Field(True, description="Preempt by recompute when blocks run out.")
+    aging_rate: float = Field(
+        0.1, ge=0, description="Priority points a waiting request gains per second waited."
+    )
+    dtype: str | None = Field(
+        None, description="Compute dtype override (float32, float16, bfloat16); unset: model's."
+    )
+
+
+class LimitSettings(_Section):
+    """Limits applied to every job at validation time."""
+
+    max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted, in tokens.")
+    max_prompt_chars: int = Field(
+        200_000, ge=1, description="Longest prompt text (or all messages) in characters."
+    )
+    max_tokens_cap: int = Field(4096, ge=1, description="Largest max_tokens a job may ask for.")
+    max_message_bytes: int = Field(
+        1_000_000, ge=1, description="Largest job payload on the queue stream, in bytes."
+    )
+    max_messages: int = Field(256, ge=1, description="Most chat messages in one job.")
+
+
+class DaemonSettings(_Section):
+    """The long-lived worker process."""
+
+    consumer_name: str | None = Field(
+        None, description="Consumer name in the group; unset: host:pid (unique per process)."
+    )
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often the heartbeat is set.")
+    heartbeat_ttl_s: float = Field(
+        10.0, gt=0, description="Heartbeat lifetime; a daemon silent this long counts as dead."
+    )
+    claim_interval_s: float = Field(
+        5.0, gt=0, description="How often to look for jobs of dead consumers to take over."
+    )
+    intake_buffer: int = Field(
+        4, ge=0, description="Jobs read beyond what the engine can run now (backpressure)."
+    )
+    block_ms: int = Field(
+        1000, ge=1, description="How long an idle daemon blocks on XREADGROUP, in ms."
+    )
+    grace_period_s: float = Field(
+        30.0, ge=0, description="On SIGTERM/SIGINT, time running jobs get to finish."
+    )
+    max_deliveries: int = Field(
+        5, ge=1, description="Deliveries after which a job is dead-lettered as poison."
+    )
+    redis_retry_max_s: float = Field(
+        5.0, gt=0, description="Longest backoff between Redis reconnection attempts."
+    )
+
+    @field_validator("consumer_name")
+    @classmethod
+    def _no_colon_only(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+
+class Settings(BaseSettings):
+    """Every option of batchd. Build it with :func:`load_settings`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="BATCHD_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    redis_url: str = Field(
+        DEFAULT_REDIS_URL, description="Redis URL (redis://, rediss://, unix://)."
+    )
+    key_prefix: str = Field("batchd", min_length=1, description="Prefix of every Redis key.")
+    model: str | None = Field(None, description="Model served: local path or hub id.")
+    queues: list[str] = Field(default_factory=lambda: ["default"], min_length=1)
+    result_ttl_s: int = Field(
+        86400, ge=1, description="Seconds a finished job's events and status are kept."
+    )
+    log_level: str = Field("INFO", description="Logging level (DEBUG, INFO, WARNING, ERROR).")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    daemon: DaemonSettings = Field(default_factory=DaemonSettings)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return level
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_file = _CONFIG_FILE.get("path")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+
+_CONFIG_FILE: dict[str, Path | None] = {"path": None}
+
+
+class SettingsError(ValueError):
+    """Invalid configuration; the message names each bad option and value."""
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Build Settings from overrides > environment > TOML file > defaults.
+
+    ``overrides`` are explicit values (command-line flags); ``None`` values are
+    ignored so unset flags do not mask the other layers. Raises SettingsError
+    with one line per bad option.
+    """
+    path = config_file or os.environ.get(CONFIG_ENV_VAR) or None
+    resolved = Path(path) if path else None
+    if resolved is not None and not resolved.is_file():
+        raise SettingsError(f"config file {str(resolved)!r} does not exist")
+    _CONFIG_FILE["path"] = resolved
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc, resolved)) from None
+    finally:
+        _CONFIG_FILE["path"] = None
+
+
+def _describe(exc: ValidationError, config_file: Path | None) -> str:
+    lines = ["invalid settings:"]
+    for err in exc.errors():
+        option = ".".join(str(part) for part in err["loc"])
+        env_name = "BATCHD_" + "__".join(str(p).upper() for p in err["loc"])
+        value = err.get("input")
+        lines.append(f"  {option} (env {env_name}) = {value!r}: {err['msg']}")
+    if config_file is not None:
+        lines.append(f"  (config file: {config_file})")
+    return "\n".join(lines)
+
+
+def default_consumer_name() -> str:
+    """host:pid, unique per process on a host."""
+    return f"{socket.gethostname()}:{os.getpid()}"
