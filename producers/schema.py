@@ -1,0 +1,360 @@
+"""The wire protocol: the single source of truth for jobs, events and status.
+
+Services in any language produce jobs by following the JSON Schema exported
+from these models (``batchd schema``; committed as
+``producers/protocol.schema.json``). Key names live in :mod:`producers.keys`.
+
+A job is ``XADD batchd:queue:<queue> * job <JobRequest JSON>``. Each token is
+an entry ``event <Event JSON>`` with id ``0-<seq+1>`` on
+``batchd:job:<id>:events`` and the same JSON PUBLISHed on
+``batchd:job:<id>:tokens``. The last event carries ``finish_reason``, the full
+``text``, ``usage`` and ``timings``. ``batchd:job:<id>`` is the status hash.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from enum import Enum
+from typing import Any, Literal
+
+import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic import ValidationError as PydanticValidationError
+
+from config import LimitSettings
+from producers.errors import ValidationError
+
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$"
+
+
+class JobState(str, Enum):
+    """``state`` field of the status hash."""
+
+    queued = "queued"
+    running = "running"
+    finished = "finished"
+    failed = "failed"
+    cancelled = "cancelled"
+    expired = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobState.queued, JobState.running)
+
+
+class FinishReason(str, Enum):
+    """``finish_reason`` of a final event."""
+
+    stop = "stop"
+    length = "length"
+    cancelled = "cancelled"
+    error = "error"
+    expired = "expired"
+
+
+FINAL_STATE = {
+    FinishReason.stop: JobState.finished,
+    FinishReason.length: JobState.finished,
+    FinishReason.cancelled: JobState.cancelled,
+    FinishReason.error: JobState.failed,
+    FinishReason.expired: JobState.expired,
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(_Strict):
+    """One chat message."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class JobRequest(_Strict):
+    """A generation job as it travels on the queue stream.
+
+    Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``. Limits
+    (prompt size, max_tokens cap, message count) come from the daemon's
+    Settings and are checked by :func:`parse_job`.
+    """
+
+    id: str | None = Field(
+        None, pattern=JOB_ID_PATTERN, description="Job id; the client makes a UUID if absent."
+    )
+    prompt: str | None = Field(None, description="Prompt text (no chat template applied).")
+    messages: list[Message] | None = Field(
+        None, min_length=1, description="Chat messages; the model's chat template is applied."
+    )
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, description="Prompt as token ids of the model's tokenizer."
+    )
+    max_tokens: int = Field(256, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = Field(
+        None, ge=0, description="Makes sampling reproducible, also across daemon restarts."
+    )
+    stop: list[str] = Field(
+        default_factory=list, max_length=16, description="Stop strings (not emitted)."
+    )
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    logprobs: int = Field(0, ge=0, le=20, description="Top-N logprobs per token (0: only none).")
+    priority: int = Field(0, description="Higher runs first; waiting jobs age upwards.")
+    ttl_s: float | None = Field(
+        None, gt=0, description="Expire the job if not started this many seconds after enqueue."
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form, echoed back in the final event."
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt_within_limits(self, info: ValidationInfo) -> JobRequest:
+        given = [
+            name
+            for name in ("prompt", "messages", "prompt_token_ids")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of prompt, messages, prompt_token_ids is required"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        limits = (info.context or {}).get("limits")
+        if isinstance(limits, LimitSettings):
+            _check_limits(self, limits)
+        return self
+
+    @property
+    def prompt_kind(self) -> str:
+        if self.prompt is not None:
+            return "prompt"
+        return "messages" if self.messages is not None else "prompt_token_ids"
+
+    def sampling(self) -> dict[str, Any]:
+        """The SamplingParams fields of this job, as keyword arguments."""
+        return self.model_dump(
+            include={
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "seed",
+                "stop",
+                "stop_token_ids",
+                "ignore_eos",
+                "logprobs",
+            }
+        )
+
+
+class _LimitError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+def _check_limits(job: JobRequest, limits: LimitSettings) -> None:
+    if job.max_tokens > limits.max_tokens_cap:
+        raise _LimitError("max_tokens", f"{job.max_tokens} exceeds the cap {limits.max_tokens_cap}")
+    if job.prompt is not None and len(job.prompt) > limits.max_prompt_chars:
+        raise _LimitError(
+            "prompt", f"{len(job.prompt)} characters exceed the limit {limits.max_prompt_chars}"
+        )
+    if job.messages is not None:
+        if len(job.messages) > limits.max_messages:
+            raise _LimitError(
+                "messages", f"{len(job.messages)} messages exceed the limit {limits.max_messages}"
+            )
+        chars = sum(len(m.content) for m in job.messages)
+        if chars > limits.max_prompt_chars:
+            raise _LimitError(
+                "messages", f"{chars} characters exceed the limit {limits.max_prompt_chars}"
+            )
+    if job.prompt_token_ids is not None and len(job.prompt_token_ids) > limits.max_prompt_tokens:
+        raise _LimitError(
+            "prompt_token_ids",
+            f"{len(job.prompt_token_ids)} tokens exceed the limit {limits.max_prompt_tokens}",
+        )
+
+
+def parse_job(payload: bytes | str, limits: LimitSettings | None = None) -> JobRequest:
+    """Decode and validate a job payload; raises ValidationError naming the field.
+
+    Handles what arrives from untrusted producers: oversized payloads,
+    non-UTF-8 bytes, invalid JSON, wrong types, unknown fields.
+    """
+    raw = payload.encode() if isinstance(payload, str) else payload
+    if limits is not None and len(raw) > limits.max_message_bytes:
+        raise ValidationError(
+            "job", f"payload of {len(raw)} bytes exceeds the limit {limits.max_message_bytes}"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValidationError("job", f"payload is not UTF-8 (byte {exc.start})") from None
+    try:
+        return JobRequest.model_validate_json(text, context={"limits": limits})
+    except PydanticValidationError as exc:
+        raise _to_validation_error(exc) from None
+
+
+def validate_job(data: dict[str, Any], limits: LimitSettings | None = None) -> JobRequest:
+    """Validate a job given as a dict (client side); raises ValidationError."""
+    try:
+        return JobRequest.model_validate(data, context={"limits": limits})
+    except PydanticValidationError as exc:
+        raise _to_validation_error(exc) from None
+
+
+def _to_validation_error(exc: PydanticValidationError) -> ValidationError:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    original = (err.get("ctx") or {}).get("error")
+    if isinstance(original, _LimitError):
+        return ValidationError(original.field, str(original))
+    if err["type"] == "json_invalid":
+        return ValidationError("job", f"invalid JSON: {(err.get('ctx') or {}).get('error')}")
+    if err["type"] == "extra_forbidden":
+        return ValidationError(loc, "unknown field", value=err.get("input"))
+    message = err["msg"].removeprefix("Value error, ")
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more error{'s' if more > 1 else ''})"
+    return ValidationError(loc or "job", message, value=err.get("input"))
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode_job(job: JobRequest) -> bytes:
+    """The queue payload: compact JSON without unset optional fields."""
+    return orjson.dumps(job.model_dump(mode="json", exclude_none=True, exclude_defaults=False))
+
+
+class Usage(_Strict):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(_Strict):
+    """Wall-clock timestamps (Unix seconds) of a job's life."""
+
+    queued: float | None = None
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Event(_Strict):
+    """One entry of a job's events stream (and the same JSON on its channel).
+
+    Token events carry ``token_id`` and the new ``text``. The final event has
+    ``finish_reason``, the full ``text``, ``usage``, ``timings``, ``metadata``
+    and, on failure, ``error``; it has no ``token_id``.
+    """
+
+    seq: int = Field(ge=0, description="0, 1, 2, ... with no gap or duplicate.")
+    token_id: int | None = None
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> Event:
+        return cls.model_validate(orjson.loads(data))
+
+
+class JobStatus(BaseModel):
+    """The status hash ``batchd:job:<id>``; every value is stored as a string."""
+
+    model_config = ConfigDict(extra="allow")
+
+    state: JobState
+    queue: str | None = None
+    error: str | None = None
+    daemon: str | None = Field(None, description="Consumer name of the daemon holding the job.")
+    queued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: FinishReason | None = None
+    completion_tokens: int | None = None
+    cancel_requested: bool = False
+
+    @classmethod
+    def from_hash(cls, data: dict[bytes, bytes] | dict[str, str]) -> JobStatus:
+        decoded = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in data.items()
+        }
+        return cls.model_validate({k: v for k, v in decoded.items() if v != ""})
+
+    def to_hash(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for key, value in self.model_dump(mode="json", exclude_none=True).items():
+            out[key] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return out
+
+
+def now() -> float:
+    return time.time()
+
+
+def protocol_schema() -> dict[str, Any]:
+    """The protocol as one JSON Schema document (what ``batchd schema`` prints)."""
+    from producers import keys
+
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "batchd wire protocol",
+        "description": (__doc__ or "").strip(),
+        "keys": {
+            "queue": keys.Keys().queue("<queue>"),
+            "consumer_group": keys.CONSUMER_GROUP,
+            "job_field": keys.JOB_FIELD,
+            "status": keys.Keys().job("<id>"),
+            "events": keys.Keys().events("<id>"),
+            "event_field": keys.EVENT_FIELD,
+            "event_id": "0-<seq+1>",
+            "tokens_channel": keys.Keys().tokens("<id>"),
+            "cancel": keys.Keys().cancel,
+            "cancel_field": keys.CANCEL_FIELD,
+            "heartbeat": keys.Keys().daemon("<consumer>"),
+            "dead_letters": keys.Keys().dead,
+        },
+        "$defs": {
+            "JobRequest": JobRequest.model_json_schema(),
+            "Event": Event.model_json_schema(),
+            "JobStatus": JobStatus.model_json_schema(),
+        },
+    }
