@@ -1,0 +1,52 @@
+"""batchd's engine as a step system (see daemon.bench.drive)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from daemon.bench.workloads import Request
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+
+def bench_engine_config(
+    *, max_num_seqs: int, max_num_batched_tokens: int, longest_request: int, block_size: int = 16
+) -> EngineConfig:
+    """The engine's settings for a run: a KV pool that holds every running sequence whole.
+
+    The pool is sized from the workload, not from free memory, so that the
+    run does the same work on any machine (no preemption), and BatchGenerator
+    (whose caches grow as needed) is not handicapped by comparison.
+    """
+    blocks_per_seq = -(-longest_request // block_size) + 1
+    return EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        block_size=block_size,
+        num_kv_blocks=max_num_seqs * blocks_per_seq + 64,
+    )
+
+
+class BatchdSystem:
+    """One LLMEngine, fed greedy requests that ignore EOS and run to max_tokens."""
+
+    def __init__(self, model_path: Path, config: EngineConfig) -> None:
+        self.engine = LLMEngine.from_pretrained(str(model_path), config)
+
+    def add(self, request: Request) -> None:
+        self.engine.add_request(
+            request.request_id,
+            prompt_token_ids=request.prompt_ids,
+            params=SamplingParams(max_tokens=request.max_tokens, ignore_eos=True),
+        )
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        return [
+            (out.request_id, 0 if out.token_id is None else 1, out.finished)
+            for out in self.engine.step()
+        ]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished())
+
+    def close(self) -> None:
+        """Nothing to release: the engine owns no threads or files."""

@@ -1,0 +1,147 @@
+"""The report a person reads: JSON with every figure, a markdown table, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
+
+JSON_NAME, MARKDOWN_NAME, CHART_NAME = "report.json", "report.md", "report.png"
+_COLORS = {BATCHD: "#1f77b4", BATCHGEN: "#ff7f0e", "static": "#2ca02c", "sequential": "#7f7f7f"}
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write report.json, report.md and report.png into ``out_dir``; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / JSON_NAME, out_dir / MARKDOWN_NAME, out_dir / CHART_NAME]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    paths[1].write_text(markdown(report))
+    chart(report, paths[2])
+    return paths
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """Settings, throughput table (with ratios, MFU and the FLOP limit), latency table."""
+    s, m, limit = report["settings"], report["machine"], report["limit"]
+    lines = [
+        "# batchd bench",
+        "",
+        f"Model `{s['model_label']}` ({s['dtype']}), max_num_seqs {s['max_num_seqs']}, "
+        f"max_num_batched_tokens {s['max_num_batched_tokens']}, scale {s['scale']}.",
+        f"Machine: {m['platform']}, {m['cpu_count']} CPUs, mlx {m['mlx']} ({m['device']}), "
+        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}; matmul {limit['matmul_gflops']} GFLOP/s.",
+        "",
+        "| workload | system | requests | output tokens | tok/s | batchd vs it "
+        "| TTFT p50 s | TTFT p99 s | MFU |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, result in report["workloads"].items():
+        if name in ("online", "queue"):
+            continue
+        ratios = result.get("ratios", {})
+        for key, fig in result["systems"].items():
+            lines.append(
+                f"| {name} | {fig['label']} | {fig['requests']} | {fig['output_tokens']} "
+                f"| {fig['tok_s']:.1f} | {_ratio(ratios.get(f'vs_{key}'))} "
+                f"| {fig['ttft_p50_s']:.3f} | {fig['ttft_p99_s']:.3f} | {fig['mfu']:.1%} |"
+            )
+        for key, reason in result["unavailable"].items():
+            lines.append(f"| {name} | {LABELS[key]} | | | {reason} | | | | |")
+        lim = result["limit"]
+        lines.append(
+            f"| {name} | FLOP limit ({lim['workload_gflop']} GFLOP) | {result['requests']} "
+            f"| {result['output_tokens']} | {lim['limit_tok_s']:.0f} | | | | 100% |"
+        )
+    online = report["workloads"].get("online")
+    if online is not None:
+        lines += [
+            "",
+            f"Online: {online['requests']} requests, Poisson at {online['rate_req_s']} req/s "
+            f"({online['load']:.0%} of BatchGenerator's mixed throughput).",
+            "",
+            "| system | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for fig in online["systems"].values():
+            lines.append(
+                f"| {fig['label']} | {fig['tok_s']:.1f} | {fig['ttft_p50_s']:.3f} "
+                f"| {fig['ttft_p99_s']:.3f} | {fig['itl_p50_s'] * 1e3:.1f} "
+                f"| {fig['itl_p99_s'] * 1e3:.1f} |"
+            )
+        for key, reason in online["unavailable"].items():
+            lines.append(f"| {LABELS[key]} | {reason} | | | | |")
+    q = report["workloads"].get("queue")
+    if q is not None:
+        lines += ["", _queue_line(q)]
+    lines += ["", f"**{report['headline']}**", ""]
+    return "\n".join(lines)
+
+
+def _queue_line(q: dict[str, Any]) -> str:
+    if not q.get("available"):
+        return f"Queue: {q['reason']}."
+    return (
+        f"Queue: {q['queue']['tok_s']:.1f} tok/s through Redis vs "
+        f"{q['in_process']['tok_s']:.1f} in-process: {q['ratio']:.2f}x."
+    )
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    """Throughput bars per system and workload (FLOP limit marked); TTFT distribution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    offline = {n: r for n, r in report["workloads"].items() if n in ("mixed", "shared-prefix")}
+    fig, (bars, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(OFFLINE_ORDER)
+    for i, key in enumerate(OFFLINE_ORDER):
+        xs = [n for n, r in enumerate(offline.values()) if key in r["systems"]]
+        values = [r["systems"][key]["tok_s"] for r in offline.values() if key in r["systems"]]
+        drawn = bars.bar(
+            [x + (i - (len(OFFLINE_ORDER) - 1) / 2) * width for x in xs],
+            values,
+            width,
+            label=LABELS[key],
+            color=_COLORS[key],
+        )
+        bars.bar_label(drawn, fmt="%.0f", fontsize="x-small")
+    for x, result in enumerate(offline.values()):
+        bars.hlines(result["limit"]["limit_tok_s"], x - 0.45, x + 0.45, colors="k", linestyles=":")
+    bars.set_xticks(range(len(offline)), list(offline))
+    bars.set_ylabel("output tokens/s")
+    bars.set_yscale("log")
+    top = max([r["limit"]["limit_tok_s"] for r in offline.values()], default=1.0)
+    bars.set_ylim(top=top * 8)
+    bars.set_title("Throughput, log scale (dotted: FLOP limit)")
+    bars.legend(fontsize="small", loc="upper left", ncol=2)
+    _ttft_panel(ttft, report)
+    fig.suptitle(f"batchd bench: {report['settings']['model_label']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _ttft_panel(ax: Any, report: dict[str, Any]) -> None:
+    """TTFT CDF: online arrivals if measured, else the mixed workload's all-at-once TTFTs."""
+    results = report["workloads"]
+    source = "online" if results.get("online", {}).get("systems") else "mixed"
+    systems = results.get(source, {}).get("systems", {})
+    for key in (BATCHD, BATCHGEN):
+        if key not in systems:
+            continue
+        values = sorted(systems[key]["ttft_s"])
+        fractions = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, fractions, where="post", label=LABELS[key], color=_COLORS[key])
+    ax.set_xlabel("time to first token, s")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT distribution ({source})")
+    if systems:
+        ax.legend(fontsize="small")

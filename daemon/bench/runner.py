@@ -1,0 +1,215 @@
+"""The benchmark run: limit, workloads, peers, report — in one process, minutes apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from daemon.bench import queue
+from daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
+from daemon.bench.online import run_online, saturation_rate
+from daemon.bench.progress import Progress
+from daemon.bench.systems import (
+    BATCHD,
+    BATCHGEN,
+    LABELS,
+    OFFLINE_ORDER,
+    SEQUENTIAL,
+    Systems,
+    SystemSettings,
+    SystemUnavailable,
+)
+from daemon.bench.workloads import Scale, Workload, mixed, shared_prefix
+from engine.blas import loaded_openblas
+
+WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """One benchmark run's settings (the CLI fills these; tests shrink ``scale``)."""
+
+    model_path: Path
+    model_label: str
+    workloads: tuple[str, ...]
+    scale: Scale
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    redis_url: str
+    seed: int = 0
+    online_load: float = 0.9
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.workloads) - set(WORKLOADS)
+        if unknown:
+            raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": metadata.version("mlx"),
+        "mlx_lm": metadata.version("mlx-lm"),
+        "device": str(mx.default_device()),
+        "blas": loaded_openblas() or ("Accelerate" if sys.platform == "darwin" else "bundled"),
+    }
+
+
+def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
+    """Run the selected workloads; returns the full report (see daemon.bench.report)."""
+    config = json.loads((options.model_path / "config.json").read_text())
+    flops = ModelFlops.from_model_dir(options.model_path)
+    progress.phase("limit: timing a float32 matmul")
+    gflops = matmul_gflops(size=options.scale.matmul_size)
+    progress.say(f"matmul rate {gflops:.0f} GFLOP/s")
+    systems = Systems(
+        SystemSettings(
+            model_path=options.model_path,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            scale=options.scale,
+            vocab_size=config["vocab_size"],
+        ),
+        progress,
+    )
+    report: dict[str, Any] = {
+        "settings": {
+            "model": str(options.model_path),
+            "model_label": options.model_label,
+            "dtype": config.get("torch_dtype"),
+            "max_num_seqs": options.max_num_seqs,
+            "max_num_batched_tokens": options.max_num_batched_tokens,
+            "scale": options.scale.name,
+            "seed": options.seed,
+            "workloads": list(options.workloads),
+            "online_load": options.online_load,
+            "command": options.command,
+        },
+        "machine": machine_info(),
+        "limit": {
+            "matmul_gflops": round(gflops, 1),
+            "matmul_size": options.scale.matmul_size,
+            "mflop_per_output_token": round(flops.per_output_token / 1e6, 2),
+            "mflop_per_prompt_token": round(flops.linear_per_token / 1e6, 2),
+        },
+        "workloads": {},
+    }
+    vocab = config["vocab_size"]
+    workloads = {
+        "mixed": mixed(scale=options.scale, vocab_size=vocab, seed=options.seed),
+        "shared-prefix": shared_prefix(scale=options.scale, vocab_size=vocab, seed=options.seed),
+    }
+    results = report["workloads"]
+    for name in ("mixed", "shared-prefix"):
+        if name in options.workloads:
+            results[name] = offline_workload(
+                systems, workloads[name], flops=flops, gflops=gflops, scale=options.scale
+            )
+    if "online" in options.workloads:
+        results["online"] = online_workload(systems, workloads["mixed"], options, results)
+    if "queue" in options.workloads:
+        results["queue"] = queue.run_queue(
+            systems, workloads["mixed"], redis_url=options.redis_url, progress=progress
+        )
+    report["headline"] = headline(report)
+    return report
+
+
+def offline_workload(
+    systems: Systems, workload: Workload, *, flops: ModelFlops, gflops: float, scale: Scale
+) -> dict[str, Any]:
+    """Every system on ``workload`` (sequential on a subset); throughput ratios and MFU."""
+    limit = limit_summary(flops, workload, gflops)
+    result: dict[str, Any] = {
+        "requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+        "params": workload.params,
+        "limit": limit,
+        "systems": {},
+        "unavailable": {},
+    }
+    for key in OFFLINE_ORDER:
+        part = workload.subset(scale.sequential_requests) if key == SEQUENTIAL else workload
+        try:
+            stats = systems.offline(key, part)
+        except SystemUnavailable as exc:
+            result["unavailable"][key] = str(exc)
+            continue
+        summary = stats.summary()
+        summary["mfu"] = round(summary["tok_s"] / limit["limit_tok_s"], 4)
+        result["systems"][key] = {"label": LABELS[key], **summary}
+    done = result["systems"]
+    if BATCHD in done:
+        result["ratios"] = {
+            f"vs_{key}": round(done[BATCHD]["tok_s"] / done[key]["tok_s"], 3)
+            for key in done
+            if key != BATCHD and done[key]["tok_s"] > 0
+        }
+    return result
+
+
+def online_workload(
+    systems: Systems, workload: Workload, options: BenchOptions, results: dict[str, Any]
+) -> dict[str, Any]:
+    """Poisson arrivals at ``online_load`` times BatchGenerator's mixed throughput."""
+    peer = results.get("mixed", {}).get("systems", {}).get(BATCHGEN)
+    probe: dict[str, Any] | None = None
+    if peer is None:
+        # The rate needs BatchGenerator's saturation throughput: measure it now.
+        probe = systems.offline(BATCHGEN, workload).summary()
+        peer = probe
+    rate = saturation_rate(peer_tok_s=peer["tok_s"], workload=workload, load=options.online_load)
+    result = run_online(systems, workload, rate=rate, load=options.online_load, seed=options.seed)
+    result["rate_from_tok_s"] = peer["tok_s"]
+    if probe is not None:
+        result["saturation_probe"] = probe
+    return result
+
+
+def headline(report: dict[str, Any]) -> str:
+    """The one line that says it all, e.g. ``mixed 1.62x BatchGenerator, 4.1x sequential; ...``."""
+    parts = []
+    results = report["workloads"]
+    for name in ("mixed", "shared-prefix"):
+        if name not in results:
+            continue
+        ratios = results[name].get("ratios")
+        if ratios is None:
+            parts.append(f"{name}: batchd {results[name]['unavailable'].get(BATCHD)}")
+            continue
+        figures = [
+            f"{ratios[f'vs_{key}']:.2f}x {LABELS[key].removeprefix('mlx-lm ')}"
+            for key in OFFLINE_ORDER
+            if f"vs_{key}" in ratios
+        ]
+        parts.append(f"{name} " + ", ".join(figures))
+    online = results.get("online")
+    if online is not None and "ratios" in online:
+        ours, peer = online["systems"][BATCHD], online["systems"][BATCHGEN]
+        parts.append(
+            f"online TTFT p50 {ours['ttft_p50_s']:.2f}s vs {peer['ttft_p50_s']:.2f}s, "
+            f"p99 {ours['ttft_p99_s']:.2f}s vs {peer['ttft_p99_s']:.2f}s BatchGenerator"
+        )
+    elif online is not None:
+        parts.append(f"online: batchd {online['unavailable'].get(BATCHD)}")
+    q = results.get("queue")
+    if q is not None:
+        parts.append(
+            f"queue {q['ratio']:.2f}x in-process" if q.get("available") else f"queue {q['reason']}"
+        )
+    return "; ".join(parts)

@@ -1,0 +1,111 @@
+"""Token timestamps per request, and the figures drawn from them.
+
+Only output tokens count (as ``vllm bench serve`` counts them): prompt
+tokens are work, not output. TTFT runs from a request's arrival to its first
+output token; inter-token latency is the gap between consecutive tokens of
+one request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RequestTiming:
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), or 0.0 for no values."""
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+class Recorder:
+    """Collects arrival, token and finish times of one system's run.
+
+    Times are seconds from the recorder's creation (``time.perf_counter``).
+    ``on_finish(done, total)`` is called as requests finish, for progress.
+    """
+
+    def __init__(self, *, total: int, on_finish: Callable[[int, int], None] | None = None) -> None:
+        self._t0 = time.perf_counter()
+        self._total = total
+        self._on_finish = on_finish
+        self._done = 0
+        self.requests: dict[str, RequestTiming] = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def arrive(self, request_id: str, at: float | None = None) -> None:
+        self.requests[request_id] = RequestTiming(arrival=self.now() if at is None else at)
+
+    def token(self, request_id: str, *, count: int = 1, finished: bool = False) -> None:
+        timing = self.requests[request_id]
+        now = self.now()
+        timing.token_times.extend([now] * count)
+        if finished and not timing.finished:
+            timing.finished = True
+            self._done += 1
+            if self._on_finish is not None:
+                self._on_finish(self._done, self._total)
+
+    def result(self) -> RunStats:
+        """The figures of the run so far; wall time ends at the last token."""
+        ends = [t.token_times[-1] for t in self.requests.values() if t.token_times]
+        starts = [t.arrival for t in self.requests.values()]
+        wall = (max(ends) - min(starts)) if ends else 0.0
+        ttft = [t.token_times[0] - t.arrival for t in self.requests.values() if t.token_times]
+        itl = [
+            later - earlier
+            for t in self.requests.values()
+            for earlier, later in pairwise(t.token_times)
+        ]
+        return RunStats(
+            requests=len(self.requests),
+            finished=sum(t.finished for t in self.requests.values()),
+            output_tokens=sum(len(t.token_times) for t in self.requests.values()),
+            wall_s=wall,
+            ttft_s=ttft,
+            itl_s=itl,
+        )
+
+
+@dataclass
+class RunStats:
+    """One system's run of one workload."""
+
+    requests: int
+    finished: int
+    output_tokens: int
+    wall_s: float
+    ttft_s: list[float]
+    itl_s: list[float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON figures: throughput, TTFT and ITL percentiles, raw TTFTs for the chart."""
+        return {
+            "requests": self.requests,
+            "finished": self.finished,
+            "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 4),
+            "tok_s": round(self.tok_s, 2),
+            "ttft_p50_s": round(percentile(self.ttft_s, 50), 4),
+            "ttft_p99_s": round(percentile(self.ttft_s, 99), 4),
+            "itl_p50_s": round(percentile(self.itl_s, 50), 5),
+            "itl_p99_s": round(percentile(self.itl_s, 99), 5),
+            "ttft_s": [round(t, 4) for t in self.ttft_s],
+        }

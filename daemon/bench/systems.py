@@ -1,0 +1,137 @@
+"""Every system of the benchmark behind one call: warm up, then measure.
+
+Each measurement starts with a warm-up on a few unrelated short requests
+(first-call costs: allocations, kernels, lazy imports), then times the
+workload with a fresh Recorder. batchd and BatchGenerator run through the
+same drive loop; sequential and static batching have their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from daemon.bench import peers
+from daemon.bench.drive import StepSystem, run_offline, run_timed
+from daemon.bench.progress import Progress
+from daemon.bench.stats import Recorder, RunStats
+from daemon.bench.workloads import Scale, Workload, warmup
+
+BATCHD = "batchd"
+BATCHGEN = "batchgen"
+SEQUENTIAL = "sequential"
+STATIC = "static"
+LABELS = {
+    BATCHD: "batchd",
+    BATCHGEN: "mlx-lm BatchGenerator",
+    SEQUENTIAL: "mlx-lm sequential",
+    STATIC: "static batching",
+}
+STEP_SYSTEMS = (BATCHD, BATCHGEN)
+OFFLINE_ORDER = (BATCHD, BATCHGEN, STATIC, SEQUENTIAL)
+
+
+class SystemUnavailable(RuntimeError):
+    """A system that cannot run here (e.g. the engine is not installed); says why."""
+
+
+@dataclass(frozen=True)
+class SystemSettings:
+    """What every system shares: the model and batchd's batch limits."""
+
+    model_path: Path
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scale: Scale
+    vocab_size: int
+
+
+class Systems:
+    """Loads mlx-lm's model once; builds each step system on demand."""
+
+    def __init__(self, settings: SystemSettings, progress: Progress) -> None:
+        self.settings = settings
+        self.progress = progress
+        self.model: Any = peers.load_model(settings.model_path)
+
+    def batchd_unavailable(self) -> str | None:
+        """Why batchd's engine cannot run here, or None when it can."""
+        try:
+            from daemon.bench import engine_system  # noqa: F401
+        except ImportError as exc:
+            return f"engine not available: {exc}"
+        return None
+
+    def _step_system(self, key: str, longest_request: int) -> StepSystem:
+        if key == BATCHGEN:
+            return peers.BatchGeneratorSystem(
+                self.model, completion_batch_size=self.settings.max_num_seqs
+            )
+        reason = self.batchd_unavailable()
+        if reason is not None:
+            raise SystemUnavailable(reason)
+        from daemon.bench.engine_system import BatchdSystem, bench_engine_config
+
+        config = bench_engine_config(
+            max_num_seqs=self.settings.max_num_seqs,
+            max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            longest_request=longest_request,
+        )
+        return BatchdSystem(self.settings.model_path, config)
+
+    def _warmup(self, workload: Workload) -> Workload:
+        longest = max(len(r.prompt_ids) for r in workload.requests)
+        return warmup(
+            scale=self.settings.scale, vocab_size=self.settings.vocab_size, longest_prompt=longest
+        )
+
+    def _recorder(self, label: str, total: int, *, warmup: bool = False) -> Recorder:
+        self.progress.phase(f"{label} (warm-up)" if warmup else label)
+        return Recorder(total=total, on_finish=None if warmup else self.progress.update)
+
+    def offline(self, key: str, workload: Workload) -> RunStats:
+        """Warm ``key`` up, then run ``workload`` with every request at t=0."""
+        warm = self._warmup(workload)
+        label = f"{workload.name} / {LABELS[key]}"
+        run: Callable[[Workload, Recorder], RunStats]
+        if key in STEP_SYSTEMS:
+            system = self._step_system(key, _longest(workload, warm))
+
+            def run(w: Workload, r: Recorder) -> RunStats:
+                return run_offline(system, w, r)
+
+        elif key == SEQUENTIAL:
+
+            def run(w: Workload, r: Recorder) -> RunStats:
+                return peers.run_sequential(self.model, w, r)
+
+        else:
+
+            def run(w: Workload, r: Recorder) -> RunStats:
+                return peers.run_static(self.model, w, r, batch_size=self.settings.max_num_seqs)
+
+        run(warm, self._recorder(label, len(warm.requests), warmup=True))
+        stats = run(workload, self._recorder(label, len(workload.requests)))
+        if key in STEP_SYSTEMS:
+            system.close()
+        mx.clear_cache()
+        return stats
+
+    def timed(self, key: str, workload: Workload, arrivals: list[float]) -> RunStats:
+        """Warm ``key`` up, then run ``workload`` with requests arriving at ``arrivals``."""
+        warm = self._warmup(workload)
+        system = self._step_system(key, _longest(workload, warm))
+        label = f"{workload.name} / {LABELS[key]}"
+        run_offline(system, warm, self._recorder(label, len(warm.requests), warmup=True))
+        stats = run_timed(system, workload, arrivals, self._recorder(label, len(workload.requests)))
+        system.close()
+        mx.clear_cache()
+        return stats
+
+
+def _longest(*workloads: Workload) -> int:
+    return max(len(r.prompt_ids) + r.max_tokens for w in workloads for r in w.requests)
