@@ -86,8 +86,13 @@ def check_config(config: dict[str, Any], *, source: str) -> None:
         )
 
 
-def load(path_or_repo: str | Path, *, revision: str | None = None) -> LoadedModel:
-    """Load a local model directory or hub id (quantized checkpoints included)."""
+def load(
+    path_or_repo: str | Path, *, revision: str | None = None, dtype: str | None = None
+) -> LoadedModel:
+    """Load a local model directory or hub id (quantized checkpoints included).
+
+    ``dtype`` (float32, float16, bfloat16) casts the floating-point weights.
+    """
     from mlx_lm.utils import load as mlx_load
 
     source = str(path_or_repo)
@@ -95,6 +100,8 @@ def load(path_or_repo: str | Path, *, revision: str | None = None) -> LoadedMode
     check_config(config, source=source)
     loaded: Any = mlx_load(source, revision=revision, return_config=True)
     model, tokenizer, full_config = loaded
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
     spec = _spec(model, full_config, source=source)
     log.info(
         "loaded %s (%s, %d layers, %d/%d heads, %s)",

@@ -1,0 +1,61 @@
+"""What the engine hands back: one RequestOutput per new token, StepStats per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One generated token of one request.
+
+    ``text`` is the text that became final with this token (streaming: never
+    half a character, never any part of a stop string; may be empty).
+    ``index`` is the token's position among the request's outputs, counting
+    tokens a resumed request was given as already produced. ``logprob`` is the
+    token's log-probability under the model (after repetition penalty, before
+    temperature); ``top_logprobs`` lists (token_id, logprob) best first when
+    the request asked for ``logprobs > 0``. ``finish_reason`` is "stop",
+    "length" or None while the request runs.
+    """
+
+    request_id: str
+    token_id: int
+    text: str
+    logprob: float
+    index: int
+    finished: bool = False
+    finish_reason: str | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class ChunkStat:
+    """One entry of a step's packed batch: a decode, or a prefill chunk of n tokens."""
+
+    request_id: str
+    kind: str  # "decode" | "prefill"
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Figures of one engine step, for logs, metrics and the --show-steps display."""
+
+    step: int
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_outputs: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions_total: int = 0
+    preempted: list[str] = field(default_factory=list)
+    chunks: list[ChunkStat] = field(default_factory=list)
