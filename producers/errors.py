@@ -35,3 +35,27 @@ class JobTimeout(BatchdError, TimeoutError):
         self.job_id = job_id
         self.timeout = timeout
         super().__init__(f"job {job_id} did not finish within {timeout:g}s")
+
+
+class JobNotFound(BatchdError, LookupError):
+    """No status hash for this job id: never submitted, or its results expired."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(f"job {job_id} not found (never submitted, or expired)")
+
+
+class ProtocolError(BatchdError):
+    """A job's events stream breaks the protocol (a gap in seq, an undecodable event)."""
+
+    def __init__(self, job_id: str, message: str) -> None:
+        self.job_id = job_id
+        super().__init__(f"job {job_id}: {message}")
+
+
+class BulkBusy(BatchdError):
+    """Another bulk run is writing this output file (it is locked)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"another bulk run is writing {path}")

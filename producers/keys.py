@@ -26,6 +26,8 @@ DEFAULT_QUEUE = "default"
 JOB_FIELD = "job"
 EVENT_FIELD = "event"
 CANCEL_FIELD = "id"
+# Cancellation requests are hints (the status hash is the truth): trim the stream near this.
+CANCEL_MAXLEN = 10_000
 
 
 @dataclass(frozen=True)

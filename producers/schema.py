@@ -9,6 +9,14 @@ an entry ``event <Event JSON>`` with id ``0-<seq+1>`` on
 ``batchd:job:<id>:events`` and the same JSON PUBLISHed on
 ``batchd:job:<id>:tokens``. The last event carries ``finish_reason``, the full
 ``text``, ``usage`` and ``timings``. ``batchd:job:<id>`` is the status hash.
+
+Submitting: the producer creates the status hash (``state`` queued, ``queue``,
+``queued_at``) only if it does not exist yet, in the same MULTI as the XADD
+(WATCH the hash first); a job id seen before is not enqueued again.
+Cancelling: ``HSET batchd:job:<id> cancel_requested 1`` (the truth, checked by
+the daemon at pickup), then ``XADD batchd:cancel MAXLEN ~ 10000 * id <id>`` to
+tell running daemons. A job ends with its final event, written before its
+status hash turns terminal.
 """
 
 from __future__ import annotations
@@ -72,14 +80,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Message(_Strict):
+class _StrictTypes(BaseModel):
+    # Producers in other languages must send the right JSON types: no "10" for 10,
+    # no true for 1.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Message(_StrictTypes):
     """One chat message."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
-class JobRequest(_Strict):
+class JobRequest(_StrictTypes):
     """A generation job as it travels on the queue stream.
 
     Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``. Limits
@@ -133,7 +147,7 @@ class JobRequest(_Strict):
                 + (f" (got {', '.join(given)})" if given else "")
             )
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise _FieldError("stop", "stop strings must not be empty")
         limits = (info.context or {}).get("limits")
         if isinstance(limits, LimitSettings):
             _check_limits(self, limits)
@@ -164,7 +178,9 @@ class JobRequest(_Strict):
         )
 
 
-class _LimitError(ValueError):
+class _FieldError(ValueError):
+    """A model-level check that blames one field."""
+
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(message)
@@ -172,23 +188,23 @@ class _LimitError(ValueError):
 
 def _check_limits(job: JobRequest, limits: LimitSettings) -> None:
     if job.max_tokens > limits.max_tokens_cap:
-        raise _LimitError("max_tokens", f"{job.max_tokens} exceeds the cap {limits.max_tokens_cap}")
+        raise _FieldError("max_tokens", f"{job.max_tokens} exceeds the cap {limits.max_tokens_cap}")
     if job.prompt is not None and len(job.prompt) > limits.max_prompt_chars:
-        raise _LimitError(
+        raise _FieldError(
             "prompt", f"{len(job.prompt)} characters exceed the limit {limits.max_prompt_chars}"
         )
     if job.messages is not None:
         if len(job.messages) > limits.max_messages:
-            raise _LimitError(
+            raise _FieldError(
                 "messages", f"{len(job.messages)} messages exceed the limit {limits.max_messages}"
             )
         chars = sum(len(m.content) for m in job.messages)
         if chars > limits.max_prompt_chars:
-            raise _LimitError(
+            raise _FieldError(
                 "messages", f"{chars} characters exceed the limit {limits.max_prompt_chars}"
             )
     if job.prompt_token_ids is not None and len(job.prompt_token_ids) > limits.max_prompt_tokens:
-        raise _LimitError(
+        raise _FieldError(
             "prompt_token_ids",
             f"{len(job.prompt_token_ids)} tokens exceed the limit {limits.max_prompt_tokens}",
         )
@@ -227,7 +243,7 @@ def _to_validation_error(exc: PydanticValidationError) -> ValidationError:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     original = (err.get("ctx") or {}).get("error")
-    if isinstance(original, _LimitError):
+    if isinstance(original, _FieldError):
         return ValidationError(original.field, str(original))
     if err["type"] == "json_invalid":
         return ValidationError("job", f"invalid JSON: {(err.get('ctx') or {}).get('error')}")
@@ -330,6 +346,12 @@ def now() -> float:
     return time.time()
 
 
+def protocol_schema_json() -> str:
+    """:func:`protocol_schema` as printed by ``batchd schema`` and committed as
+    ``producers/protocol.schema.json``."""
+    return orjson.dumps(protocol_schema(), option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
 def protocol_schema() -> dict[str, Any]:
     """The protocol as one JSON Schema document (what ``batchd schema`` prints)."""
     from producers import keys
@@ -349,6 +371,7 @@ def protocol_schema() -> dict[str, Any]:
             "tokens_channel": keys.Keys().tokens("<id>"),
             "cancel": keys.Keys().cancel,
             "cancel_field": keys.CANCEL_FIELD,
+            "cancel_maxlen": keys.CANCEL_MAXLEN,
             "heartbeat": keys.Keys().daemon("<consumer>"),
             "dead_letters": keys.Keys().dead,
         },

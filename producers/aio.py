@@ -1,0 +1,208 @@
+"""The asyncio client (redis.asyncio): the same API as :mod:`producers.client`, awaited.
+
+>>> client = AsyncClient("redis://127.0.0.1:6379/0")
+>>> job = await client.submit(prompt="Hello", max_tokens=32)
+>>> async for event in job.stream():
+...     print(event.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from config import DEFAULT_REDIS_URL
+from producers.base import ClientBase
+from producers.follow import (
+    RECONNECT_ERRORS,
+    Delivery,
+    FetchStatus,
+    Follower,
+    Pause,
+    Read,
+    Step,
+    read_reply,
+)
+from producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD
+from producers.result import JobResult, ResultBuilder
+from producers.schema import Event, JobRequest, JobStatus, encode_job
+
+
+class AsyncClient(ClientBase):
+    """Asyncio twin of :class:`~producers.client.Client`; see it for the semantics."""
+
+    def __init__(self, redis_url: str | aioredis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
+        super().__init__(**options)
+        if isinstance(redis_url, str):
+            self.redis: aioredis.Redis = aioredis.Redis.from_url(
+                redis_url, **self.connection_options()
+            )
+        else:
+            self.check_connection(redis_url.connection_pool.connection_kwargs)
+            self.redis = redis_url
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        id: str | None = None,
+        queue: str | None = None,
+        idempotent: bool = False,
+        **options: Any,
+    ) -> AsyncJobHandle:
+        """See :meth:`producers.client.Client.submit`."""
+        job = self.build_request(
+            prompt=prompt,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            job_id=id,
+            options=options,
+        )
+        return await self.submit_request(job, queue=queue, idempotent=idempotent)
+
+    async def submit_request(
+        self,
+        job: JobRequest | Mapping[str, Any],
+        *,
+        queue: str | None = None,
+        idempotent: bool = False,
+    ) -> AsyncJobHandle:
+        """See :meth:`producers.client.Client.submit_request`."""
+        request = self.coerce_request(job)
+        job_id = request.id
+        assert job_id is not None
+        name = self.queue_name(queue)
+        status_key = self.keys.job(job_id)
+        async with self.redis.pipeline() as pipe:
+            try:
+                await pipe.watch(status_key)
+                if await pipe.exists(status_key):
+                    if idempotent:
+                        return AsyncJobHandle(self, job_id, name)
+                    raise self.duplicate(job_id, await pipe.hget(status_key, "state"))
+                pipe.multi()
+                pipe.hset(status_key, mapping=self.initial_status(name))
+                pipe.xadd(self.keys.queue(name), {JOB_FIELD: encode_job(request)})
+                await pipe.execute()
+            except redis.WatchError:
+                if not idempotent:
+                    raise self.duplicate(job_id, None) from None
+        return AsyncJobHandle(self, job_id, name)
+
+    def handle(self, job_id: str, *, queue: str | None = None) -> AsyncJobHandle:
+        return AsyncJobHandle(self, job_id, self.queue_name(queue))
+
+    async def status(self, job_id: str) -> JobStatus:
+        return self.parse_status(job_id, await self.redis.hgetall(self.keys.job(job_id)))
+
+    async def cancel(self, job_id: str) -> bool:
+        """See :meth:`producers.client.Client.cancel`."""
+        key = self.keys.job(job_id)
+        while True:
+            async with self.redis.pipeline() as pipe:
+                try:
+                    await pipe.watch(key)
+                    if not self.should_cancel(job_id, await pipe.hget(key, "state")):
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, "cancel_requested", "1")
+                    pipe.xadd(
+                        self.keys.cancel,
+                        {CANCEL_FIELD: job_id},
+                        maxlen=CANCEL_MAXLEN,
+                        approximate=True,
+                    )
+                    await pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    async def stream(
+        self, job_id: str, *, after_seq: int = -1, timeout: float | None = None
+    ) -> AsyncIterator[Event]:
+        """See :meth:`producers.client.Client.stream`."""
+        follower = self.follower(timeout=timeout)
+        follower.add(job_id, after_seq=after_seq)
+        async for delivery in follow(self.redis, follower):
+            yield delivery.event
+
+    async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """See :meth:`producers.client.Client.result`."""
+        builder = ResultBuilder(job_id)
+        async for event in self.stream(job_id, timeout=timeout):
+            result = builder.add(event)
+            if result is not None:
+                return result
+        raise AssertionError("a stream always ends with a final event")
+
+
+class AsyncJobHandle:
+    """One submitted job, for asyncio code."""
+
+    def __init__(self, client: AsyncClient, job_id: str, queue: str) -> None:
+        self.client = client
+        self.id = job_id
+        self.queue = queue
+
+    def __repr__(self) -> str:
+        return f"AsyncJobHandle(id={self.id!r}, queue={self.queue!r})"
+
+    def stream(self, *, after_seq: int = -1, timeout: float | None = None) -> AsyncIterator[Event]:
+        return self.client.stream(self.id, after_seq=after_seq, timeout=timeout)
+
+    async def result(self, timeout: float | None = None) -> JobResult:
+        return await self.client.result(self.id, timeout)
+
+    async def cancel(self) -> bool:
+        return await self.client.cancel(self.id)
+
+    async def status(self) -> JobStatus:
+        return await self.client.status(self.id)
+
+
+async def follow(connection: aioredis.Redis, follower: Follower) -> AsyncIterator[Delivery]:
+    """Drive a :class:`~producers.follow.Follower` plan with asyncio I/O."""
+    plan = follower.plan()
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = plan.throw(error) if error is not None else plan.send(reply)
+        except StopIteration:
+            return
+        reply, error = None, None
+        if isinstance(step, Delivery):
+            yield step
+        elif isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+        else:
+            try:
+                reply = await _execute(connection, step)
+            except RECONNECT_ERRORS as exc:
+                error = exc
+
+
+async def _execute(connection: aioredis.Redis, step: Step) -> Any:
+    if isinstance(step, Read):
+        raw = await connection.xread(step.streams, count=step.count, block=step.block_ms)
+        return read_reply(raw)
+    assert isinstance(step, FetchStatus)
+    async with connection.pipeline(transaction=False) as pipe:
+        for key in step.keys:
+            pipe.hgetall(key)
+        return await pipe.execute()

@@ -1,0 +1,122 @@
+"""What the sync and async clients share: building requests, key names, decisions.
+
+Everything here is free of I/O, so :mod:`producers.client` and
+:mod:`producers.aio` differ only in how they talk to Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from config import LimitSettings
+from producers.errors import JobNotFound, ValidationError
+from producers.follow import Follower
+from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from producers.schema import JobRequest, JobState, JobStatus, new_job_id, now, validate_job
+
+# Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).
+SOCKET_TIMEOUT_MARGIN_S = 10.0
+
+
+class ClientBase:
+    """Options and I/O-free logic of :class:`~producers.client.Client` and
+    :class:`~producers.aio.AsyncClient`.
+
+    ``limits`` (usually ``Settings().limits``) are checked client-side at
+    submit, so a job the daemon would refuse fails at once with a
+    ValidationError. ``block_ms`` is the longest XREAD BLOCK; the connection's
+    socket timeout must exceed it. ``reconnect_timeout_s`` is how long a stream
+    keeps retrying an unreachable Redis before the error propagates.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        queue: str = DEFAULT_QUEUE,
+        limits: LimitSettings | None = None,
+        block_ms: int = 1000,
+        reconnect_timeout_s: float = 60.0,
+    ) -> None:
+        self.keys = Keys(prefix)
+        self.queue = queue
+        self.limits = limits
+        self.block_ms = block_ms
+        self.reconnect_timeout_s = reconnect_timeout_s
+
+    def connection_options(self) -> dict[str, Any]:
+        return {
+            "socket_timeout": self.block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
+            "socket_connect_timeout": 5.0,
+            "health_check_interval": 30,
+        }
+
+    def check_connection(self, connection_kwargs: Mapping[str, Any]) -> None:
+        timeout = connection_kwargs.get("socket_timeout")
+        if timeout is not None and timeout * 1000 <= self.block_ms:
+            raise ValueError(
+                f"socket_timeout {timeout}s must exceed the XREAD block of {self.block_ms} ms"
+            )
+
+    def build_request(
+        self,
+        *,
+        prompt: str | None,
+        messages: list[Any] | None,
+        prompt_token_ids: list[int] | None,
+        job_id: str | None,
+        options: Mapping[str, Any],
+    ) -> JobRequest:
+        """Validate a submit() call as a JobRequest (a UUID id if none given)."""
+        data = {k: v for k, v in options.items() if v is not None}
+        data.update(prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids)
+        data["id"] = job_id if job_id is not None else new_job_id()
+        return validate_job(data, self.limits)
+
+    def coerce_request(self, job: JobRequest | Mapping[str, Any]) -> JobRequest:
+        """A JobRequest (dict or model) validated against the limits, with an id."""
+        data = dict(job) if isinstance(job, Mapping) else job.model_dump(exclude_none=True)
+        data.setdefault("id", None)
+        if data["id"] is None:
+            data["id"] = new_job_id()
+        return validate_job(data, self.limits)
+
+    def queue_name(self, queue: str | None) -> str:
+        return self.queue if queue is None else queue
+
+    def initial_status(self, queue: str) -> dict[Any, Any]:
+        return JobStatus(state=JobState.queued, queue=queue, queued_at=now()).to_hash()
+
+    def duplicate(self, job_id: str, state: bytes | str | None) -> ValidationError:
+        shown = state.decode() if isinstance(state, bytes) else state
+        return ValidationError(
+            "id",
+            f"job {job_id} was already submitted (state {shown or 'unknown'}); "
+            "pass idempotent=True to attach to it",
+            value=job_id,
+        )
+
+    def should_cancel(self, job_id: str, state: bytes | str | None) -> bool:
+        """Whether a cancel request still matters: False once the job has ended."""
+        if state is None:
+            raise JobNotFound(job_id)
+        text = state.decode() if isinstance(state, bytes) else state
+        try:
+            return not JobState(text).terminal
+        except ValueError:
+            return True
+
+    def parse_status(self, job_id: str, data: Mapping[Any, Any]) -> JobStatus:
+        if not data:
+            raise JobNotFound(job_id)
+        return JobStatus.from_hash(dict(data))
+
+    def follower(self, *, timeout: float | None = None) -> Follower:
+        return Follower(
+            self.keys,
+            block_ms=self.block_ms,
+            status_interval_s=self.block_ms / 1000,
+            reconnect_timeout_s=self.reconnect_timeout_s,
+            timeout=timeout,
+        )

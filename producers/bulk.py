@@ -1,0 +1,250 @@
+"""Bulk generation on rq: a JSONL of requests in, a JSONL of results out.
+
+``batchd bulk IN --out OUT`` enqueues :func:`run_bulk` on the rq queue
+``batchd-bulk`` (rq's JSON serializer, never pickle); ``batchd bulk-worker``
+runs it. The run feeds every line of IN (a JobRequest, e.g. ``{"prompt": ...}``)
+to the batchd queue with at most ``window`` jobs in flight and appends one
+line per input to OUT: ``{"line": N, "id": ..., "text": ..., ...}`` or
+``{"line": N, "error": ...}``, in completion order.
+
+Resumable: a run reads OUT first and skips the lines already there. Job ids
+are a hash of (input path, line number, line), and submits are idempotent,
+so after a crash a line still running in the daemon is reattached to, not run
+twice. OUT is locked (flock) while a run writes it: two runs never interleave.
+Progress (done/total, tokens/s) is kept in the rq job's meta.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import redis
+from rq import Queue, Retry, Worker, get_current_job
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from config import LimitSettings
+from producers.client import Client, follow
+from producers.errors import BulkBusy, JobFailed, ValidationError
+from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from producers.result import ResultBuilder
+from producers.schema import JobRequest, validate_job
+
+RQ_QUEUE = "batchd-bulk"
+PROGRESS_EVERY_S = 0.5
+# An rq worker killed mid-run leaves its job "started"; rq requeues it (abandoned
+# job) after the worker's heartbeat lapses, this many times.
+ABANDONED_RETRIES = 3
+
+
+def line_job_id(input_path: Path, line_no: int, line: str) -> str:
+    """The job id of one input line: the same line of the same file, the same id."""
+    digest = hashlib.sha256(f"{input_path}\0{line_no}\0{line}".encode()).hexdigest()
+    return f"bulk-{line_no}-{digest[:20]}"
+
+
+def parse_line(
+    line: str, *, input_path: Path, line_no: int, limits: LimitSettings | None = None
+) -> JobRequest:
+    """One input line as a JobRequest; raises ValidationError."""
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise ValidationError("line", f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValidationError("line", f"expected a JSON object, got {type(data).__name__}")
+    if data.get("id") is None:
+        data["id"] = line_job_id(input_path, line_no, line)
+    return validate_job(data, limits)
+
+
+def input_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of each non-blank line."""
+    with path.open(encoding="utf-8") as source:
+        for line_no, line in enumerate(source, start=1):
+            if line.strip():
+                yield line_no, line.rstrip("\n")
+
+
+class ResultFile:
+    """OUT, locked for appending; ``done`` holds the line numbers it already has."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: IO[bytes] = path.open("a+b")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise BulkBusy(str(path)) from None
+        self.file.seek(0)
+        data = self.file.read()
+        whole = data.rfind(b"\n") + 1
+        if whole < len(data):  # a line torn by a crash: it is redone
+            self.file.truncate(whole)
+        self.done = {int(orjson.loads(raw)["line"]) for raw in data[:whole].splitlines() if raw}
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(orjson.dumps(record) + b"\n")
+        self.file.flush()
+
+    def __enter__(self) -> ResultFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+
+class Progress:
+    """Counters of a run, reported to the rq job's meta at most every PROGRESS_EVERY_S."""
+
+    def __init__(self, total: int, done: int, job: Job | None) -> None:
+        self.total = total
+        self.done = done
+        self.failed = 0
+        self.tokens = 0
+        self.started = time.monotonic()
+        self.job = job
+        self.reported = -PROGRESS_EVERY_S
+
+    def as_dict(self) -> dict[str, Any]:
+        elapsed = time.monotonic() - self.started
+        return {
+            "total": self.total,
+            "done": self.done,
+            "failed": self.failed,
+            "tokens": self.tokens,
+            "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(self.tokens / elapsed, 1) if elapsed > 0 else 0.0,
+        }
+
+    def report(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.job is None or (not force and now - self.reported < PROGRESS_EVERY_S):
+            return
+        self.reported = now
+        self.job.meta["progress"] = self.as_dict()
+        self.job.save_meta()
+
+
+def run_bulk(
+    *,
+    input_path: str,
+    output_path: str,
+    window: int = 64,
+    queue: str = DEFAULT_QUEUE,
+    prefix: str = DEFAULT_PREFIX,
+    limits: dict[str, Any] | None = None,
+    connection: redis.Redis | None = None,
+) -> dict[str, Any]:
+    """The rq job: run every line of ``input_path``, append results to ``output_path``.
+
+    Outside an rq worker, pass ``connection``. Returns the final progress.
+    """
+    rq_job = get_current_job()
+    conn = connection if connection is not None else rq_job.connection if rq_job else None
+    if conn is None:
+        raise ValueError("run_bulk needs a Redis connection outside an rq worker")
+    source = Path(input_path).resolve()
+    limit_settings = LimitSettings.model_validate(limits) if limits else None
+    client = Client(conn, prefix=prefix, queue=queue, limits=limit_settings)
+    total = sum(1 for _ in input_lines(source))
+    with ResultFile(Path(output_path)) as out:
+        progress = Progress(total, len(out.done), rq_job)
+        todo = ((n, line) for n, line in input_lines(source) if n not in out.done)
+        follower = client.follower()
+        pending: dict[str, tuple[int, ResultBuilder]] = {}
+
+        def fill() -> None:
+            while follower.active < window:
+                item = next(todo, None)
+                if item is None:
+                    return
+                line_no, line = item
+                try:
+                    job = parse_line(
+                        line, input_path=source, line_no=line_no, limits=limit_settings
+                    )
+                    handle = client.submit_request(job, idempotent=True)
+                except ValidationError as exc:
+                    finish({"line": line_no, "error": str(exc)}, failed=True)
+                    continue
+                follower.add(handle.id)
+                pending[handle.id] = (line_no, ResultBuilder(handle.id))
+
+        def finish(record: dict[str, Any], *, failed: bool) -> None:
+            out.write(record)
+            progress.done += 1
+            progress.failed += failed
+            progress.report()
+
+        fill()
+        for job_id, event in follow(conn, follower):
+            line_no, builder = pending[job_id]
+            progress.tokens += event.token_id is not None
+            try:
+                result = builder.add(event)
+            except JobFailed as exc:
+                error = {"line": line_no, "id": job_id, "error": str(exc), "reason": exc.reason}
+                finish(error, failed=True)
+            else:
+                if result is None:
+                    progress.report()
+                    continue
+                finish({"line": line_no, **result.to_dict()}, failed=False)
+            del pending[job_id]
+            fill()
+        progress.report(force=True)
+    return progress.as_dict()
+
+
+def rq_queue(connection: redis.Redis, name: str = RQ_QUEUE) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def enqueue_bulk(
+    connection: redis.Redis,
+    *,
+    input_path: str | Path,
+    output_path: str | Path,
+    window: int = 64,
+    queue: str = DEFAULT_QUEUE,
+    prefix: str = DEFAULT_PREFIX,
+    limits: LimitSettings | None = None,
+    rq_queue_name: str = RQ_QUEUE,
+) -> Job:
+    """Enqueue a bulk run on rq; paths are made absolute (the worker's view of them)."""
+    if window < 1:
+        raise ValidationError("window", "must be at least 1", value=window)
+    source = Path(input_path).resolve()
+    if not source.is_file():
+        raise ValidationError("input", f"{source} is not a file", value=str(input_path))
+    target = Path(output_path).resolve()
+    return rq_queue(connection, rq_queue_name).enqueue_call(
+        "producers.bulk.run_bulk",
+        kwargs={
+            "input_path": str(source),
+            "output_path": str(target),
+            "window": window,
+            "queue": queue,
+            "prefix": prefix,
+            "limits": None if limits is None else limits.model_dump(),
+        },
+        timeout=-1,  # a bulk run takes as long as it takes
+        retry=Retry(max=ABANDONED_RETRIES),
+        description=f"batchd bulk {source} -> {target}",
+        meta={"progress": {"total": None, "done": 0}},
+    )
+
+
+def bulk_worker(connection: redis.Redis, *, rq_queue_name: str = RQ_QUEUE, burst: bool) -> bool:
+    """Run an rq worker (JSON serializer) on the bulk queue; True if it ran a job."""
+    queue = rq_queue(connection, rq_queue_name)
+    worker = Worker([queue], connection=connection, serializer=JSONSerializer)
+    return worker.work(burst=burst)

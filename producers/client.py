@@ -1,0 +1,230 @@
+"""The synchronous client: submit jobs, stream their tokens, wait, cancel.
+
+>>> client = Client("redis://127.0.0.1:6379/0")
+>>> job = client.submit(prompt="Hello", max_tokens=32)
+>>> for event in job.stream():
+...     print(event.text, end="", flush=True)
+>>> job.result(timeout=60).text
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import redis
+
+from config import DEFAULT_REDIS_URL
+from producers.base import ClientBase
+from producers.follow import (
+    RECONNECT_ERRORS,
+    Delivery,
+    FetchStatus,
+    Follower,
+    Pause,
+    Read,
+    Step,
+    read_reply,
+)
+from producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD
+from producers.result import JobResult, ResultBuilder
+from producers.schema import Event, JobRequest, JobStatus, encode_job
+
+
+class Client(ClientBase):
+    """Producer side of batchd over one Redis connection pool (thread-safe).
+
+    ``redis_url`` is a URL or an existing ``redis.Redis`` (its socket timeout
+    must exceed ``block_ms``). See :class:`~producers.base.ClientBase` for the
+    other options.
+    """
+
+    def __init__(self, redis_url: str | redis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
+        super().__init__(**options)
+        if isinstance(redis_url, str):
+            self.redis: redis.Redis = redis.Redis.from_url(redis_url, **self.connection_options())
+        else:
+            self.check_connection(redis_url.connection_pool.connection_kwargs)
+            self.redis = redis_url
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        id: str | None = None,
+        queue: str | None = None,
+        idempotent: bool = False,
+        **options: Any,
+    ) -> JobHandle:
+        """Validate and enqueue a job; ``options`` are JobRequest fields (max_tokens,
+        temperature, seed, priority, ttl_s, metadata, ...).
+
+        Raises ValidationError naming the bad field; a job id already submitted
+        raises ValidationError on ``id`` unless ``idempotent`` (then the handle
+        attaches to the existing job and nothing is enqueued).
+        """
+        job = self.build_request(
+            prompt=prompt,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            job_id=id,
+            options=options,
+        )
+        return self.submit_request(job, queue=queue, idempotent=idempotent)
+
+    def submit_request(
+        self,
+        job: JobRequest | Mapping[str, Any],
+        *,
+        queue: str | None = None,
+        idempotent: bool = False,
+    ) -> JobHandle:
+        """Enqueue a ready JobRequest (or its dict); same rules as :meth:`submit`."""
+        request = self.coerce_request(job)
+        job_id = request.id
+        assert job_id is not None
+        name = self.queue_name(queue)
+        status_key = self.keys.job(job_id)
+        with self.redis.pipeline() as pipe:
+            try:
+                # WATCH + MULTI: the status hash and the queue entry appear together,
+                # and a concurrent submit of the same id makes EXEC fail.
+                pipe.watch(status_key)
+                if pipe.exists(status_key):
+                    if idempotent:
+                        return JobHandle(self, job_id, name)
+                    raise self.duplicate(job_id, pipe.hget(status_key, "state"))
+                pipe.multi()
+                pipe.hset(status_key, mapping=self.initial_status(name))
+                pipe.xadd(self.keys.queue(name), {JOB_FIELD: encode_job(request)})
+                pipe.execute()
+            except redis.WatchError:
+                if not idempotent:
+                    raise self.duplicate(job_id, None) from None
+        return JobHandle(self, job_id, name)
+
+    def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
+        """A handle on a job submitted elsewhere (by id)."""
+        return JobHandle(self, job_id, self.queue_name(queue))
+
+    def status(self, job_id: str) -> JobStatus:
+        """The job's status hash; raises JobNotFound."""
+        return self.parse_status(job_id, self.redis.hgetall(self.keys.job(job_id)))
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask the daemon to cancel; False if the job had already ended.
+
+        Sets ``cancel_requested`` on the status hash (the truth, checked at
+        pickup) and notifies running daemons on the cancel stream. Raises
+        JobNotFound. The job ends with a ``cancelled`` final event.
+        """
+        key = self.keys.job(job_id)
+        while True:
+            with self.redis.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    if not self.should_cancel(job_id, pipe.hget(key, "state")):
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, "cancel_requested", "1")
+                    pipe.xadd(
+                        self.keys.cancel,
+                        {CANCEL_FIELD: job_id},
+                        maxlen=CANCEL_MAXLEN,
+                        approximate=True,
+                    )
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue  # the daemon updated the status meanwhile: decide again
+
+    def stream(
+        self, job_id: str, *, after_seq: int = -1, timeout: float | None = None
+    ) -> Iterator[Event]:
+        """The job's events from ``after_seq + 1`` on, replayed then live, ending
+        with the final event; no gap, no duplicate, across reconnects. Raises
+        JobTimeout after ``timeout`` seconds."""
+        follower = self.follower(timeout=timeout)
+        follower.add(job_id, after_seq=after_seq)
+        for delivery in follow(self.redis, follower):
+            yield delivery.event
+
+    def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """Wait for the job to end; raises JobFailed (error, cancelled, expired)
+        or JobTimeout."""
+        builder = ResultBuilder(job_id)
+        for event in self.stream(job_id, timeout=timeout):
+            result = builder.add(event)
+            if result is not None:
+                return result
+        raise AssertionError("a stream always ends with a final event")
+
+
+class JobHandle:
+    """One submitted job."""
+
+    def __init__(self, client: Client, job_id: str, queue: str) -> None:
+        self.client = client
+        self.id = job_id
+        self.queue = queue
+
+    def __repr__(self) -> str:
+        return f"JobHandle(id={self.id!r}, queue={self.queue!r})"
+
+    def stream(self, *, after_seq: int = -1, timeout: float | None = None) -> Iterator[Event]:
+        """See :meth:`Client.stream`."""
+        return self.client.stream(self.id, after_seq=after_seq, timeout=timeout)
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """See :meth:`Client.result`."""
+        return self.client.result(self.id, timeout)
+
+    def cancel(self) -> bool:
+        return self.client.cancel(self.id)
+
+    def status(self) -> JobStatus:
+        return self.client.status(self.id)
+
+
+def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
+    """Drive a :class:`~producers.follow.Follower` plan with blocking I/O."""
+    plan = follower.plan()
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = plan.throw(error) if error is not None else plan.send(reply)
+        except StopIteration:
+            return
+        reply, error = None, None
+        if isinstance(step, Delivery):
+            yield step
+        elif isinstance(step, Pause):
+            time.sleep(step.seconds)
+        else:
+            try:
+                reply = _execute(connection, step)
+            except RECONNECT_ERRORS as exc:
+                error = exc
+
+
+def _execute(connection: redis.Redis, step: Step) -> Any:
+    if isinstance(step, Read):
+        return read_reply(connection.xread(step.streams, count=step.count, block=step.block_ms))
+    assert isinstance(step, FetchStatus)
+    with connection.pipeline(transaction=False) as pipe:
+        for key in step.keys:
+            pipe.hgetall(key)
+        return pipe.execute()

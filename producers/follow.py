@@ -1,0 +1,269 @@
+"""Following jobs' events streams: replay, then live, with no gap and no duplicate.
+
+The events stream is the truth (Pub/Sub is at-most-once and redis-py's PubSub
+does not resubscribe after a reconnect), so a follower only reads the stream:
+non-blocking reads from the next expected seq until it is caught up, then
+``XREAD BLOCK`` for what comes next. Entry ids are ``0-<seq+1>``, so "the next
+expected seq" is a stream id and a resumed read can neither skip nor repeat an
+event. After a dropped connection it backs off and catches up again from the
+last seq it delivered.
+
+A job can end without a final event (dead-lettered by the daemon, or its
+events expired): a follower that has heard nothing for ``status_interval_s``
+reads the job's status hash; when that says the job is over, it reads the
+stream once more (the daemon writes the final event before the status) and,
+if there is still no final event, makes one from the status.
+
+The logic is a plan: a generator that yields Redis commands (:class:`Read`,
+:class:`FetchStatus`, :class:`Pause`) and receives their replies, or yields a
+:class:`Delivery`. The sync client, the async client and the bulk runner
+drive the same plan, each with its own I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import redis
+
+from producers.errors import JobTimeout, ProtocolError
+from producers.keys import EVENT_FIELD, Keys, event_id, seq_of
+from producers.schema import Event, FinishReason, JobState, JobStatus
+
+READ_COUNT = 512
+# What a dropped or restarting Redis raises, sync and async alike.
+RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+_REASON_OF_STATE = {
+    JobState.failed: FinishReason.error,
+    JobState.cancelled: FinishReason.cancelled,
+    JobState.expired: FinishReason.expired,
+}
+
+
+@dataclass(frozen=True)
+class Read:
+    """XREAD ``streams`` (key -> last id seen); ``block_ms`` None means do not block."""
+
+    streams: dict[Any, Any]
+    block_ms: int | None
+    count: int = READ_COUNT
+
+
+@dataclass(frozen=True)
+class FetchStatus:
+    """HGETALL each status hash; the reply is one dict per key, in order."""
+
+    keys: list[str]
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Sleep before retrying after a connection error."""
+
+    seconds: float
+
+
+class Delivery(NamedTuple):
+    job_id: str
+    event: Event
+
+
+Step = Read | FetchStatus | Pause | Delivery
+
+
+class EventCursor:
+    """Where one job's stream is read up to; drops duplicates, refuses gaps."""
+
+    def __init__(self, job_id: str, keys: Keys, *, after_seq: int = -1) -> None:
+        self.job_id = job_id
+        self.events_key = keys.events(job_id)
+        self.status_key = keys.job(job_id)
+        self.next_seq = after_seq + 1
+        self.done = False
+        self.quiet_since = -math.inf
+        self.ended: JobStatus | None = None
+
+    @property
+    def last_id(self) -> str:
+        return event_id(self.next_seq - 1)
+
+    def accept(self, entries: list[tuple[Any, dict[Any, Any]]]) -> list[Event]:
+        """Decode new entries in order; entries already delivered are skipped."""
+        events: list[Event] = []
+        for entry_id, fields in entries:
+            seq = seq_of(entry_id)
+            if self.done or seq < self.next_seq:
+                continue
+            if seq > self.next_seq:
+                raise ProtocolError(self.job_id, f"events jump from seq {self.next_seq} to {seq}")
+            raw = fields.get(EVENT_FIELD.encode(), fields.get(EVENT_FIELD))
+            try:
+                event = Event.decode(raw if raw is not None else b"null")
+            except ValueError as exc:
+                raise ProtocolError(self.job_id, f"undecodable event {seq}: {exc}") from None
+            if event.seq != seq:
+                raise ProtocolError(self.job_id, f"entry {seq} holds an event with seq {event.seq}")
+            self.next_seq += 1
+            self.done = event.final
+            events.append(event)
+        return events
+
+    def final_from_status(self) -> Event:
+        """The final event of a job that ended without writing one (see module doc)."""
+        assert self.ended is not None
+        status = self.ended
+        reason = status.finish_reason or _REASON_OF_STATE.get(status.state, FinishReason.error)
+        error = status.error
+        if status.state is JobState.finished:
+            reason, error = FinishReason.error, "the job's events expired before they were read"
+        self.done = True
+        return Event(seq=self.next_seq, finish_reason=reason, error=error)
+
+
+class _Outage:
+    """Exponential backoff while Redis is unreachable; gives up after ``give_up_s``."""
+
+    def __init__(self, give_up_s: float, max_pause_s: float) -> None:
+        self.give_up_s = give_up_s
+        self.max_pause_s = max_pause_s
+        self.since: float | None = None
+        self.attempt = 0
+
+    def failed(self, exc: BaseException) -> float:
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        if now - self.since > self.give_up_s:
+            raise exc
+        self.attempt += 1
+        return float(min(self.max_pause_s, 0.05 * 2 ** (self.attempt - 1)))
+
+    def ok(self) -> None:
+        self.since, self.attempt = None, 0
+
+
+class Follower:
+    """Follows the events of a changing set of jobs; drive :meth:`plan` to use it.
+
+    A job leaves the set once its final event is delivered; a consumer may
+    :meth:`add` jobs while a delivery is being handled. ``timeout`` (seconds,
+    from now) bounds the whole follow and raises JobTimeout.
+    """
+
+    def __init__(
+        self,
+        keys: Keys,
+        *,
+        block_ms: int = 1000,
+        status_interval_s: float = 1.0,
+        reconnect_timeout_s: float = 60.0,
+        retry_max_s: float = 2.0,
+        timeout: float | None = None,
+    ) -> None:
+        self.keys = keys
+        self.block_ms = block_ms
+        self.status_interval_s = status_interval_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.retry_max_s = retry_max_s
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.cursors: dict[str, EventCursor] = {}
+
+    def add(self, job_id: str, *, after_seq: int = -1) -> None:
+        cursor = EventCursor(job_id, self.keys, after_seq=after_seq)
+        self.cursors[cursor.events_key] = cursor
+
+    @property
+    def active(self) -> int:
+        return len(self.cursors)
+
+    def plan(self) -> Generator[Step, Any, None]:
+        outage = _Outage(self.reconnect_timeout_s, self.retry_max_s)
+        catching_up = True
+        while self.cursors:
+            block_ms = self._block_ms()
+            try:
+                due = [] if catching_up else self._due()
+                if due:
+                    hashes = yield FetchStatus([c.status_key for c in due])
+                    catching_up = self._note_status(due, hashes)
+                    continue
+                streams = {key: c.last_id for key, c in self.cursors.items()}
+                reply = yield Read(streams, None if catching_up else block_ms)
+            except RECONNECT_ERRORS as exc:
+                catching_up = True
+                yield Pause(outage.failed(exc))
+                continue
+            outage.ok()
+            deliveries = self._route(reply)
+            if catching_up and not reply:
+                deliveries += self._end_from_status()
+                catching_up = False
+            yield from deliveries
+
+    def _block_ms(self) -> int:
+        if self.deadline is None:
+            return self.block_ms
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            first = next(iter(self.cursors.values()))
+            raise JobTimeout(first.job_id, self.timeout or 0.0)
+        return max(1, min(self.block_ms, math.ceil(left * 1000)))
+
+    def _due(self) -> list[EventCursor]:
+        now = time.monotonic()
+        return [c for c in self.cursors.values() if now - c.quiet_since >= self.status_interval_s]
+
+    def _note_status(self, due: list[EventCursor], hashes: list[dict[Any, Any]]) -> bool:
+        """Remember which jobs have ended; True when the streams must be read again."""
+        now = time.monotonic()
+        ended = False
+        for cursor, data in zip(due, hashes, strict=True):
+            cursor.quiet_since = now
+            status = _status_or_none(data)
+            if status is not None and status.state.terminal:
+                cursor.ended = status
+                ended = True
+        return ended
+
+    def _route(self, reply: dict[str, list[Any]]) -> list[Delivery]:
+        now = time.monotonic()
+        deliveries: list[Delivery] = []
+        for key, entries in reply.items():
+            cursor = self.cursors.get(key)
+            if cursor is None:
+                continue
+            cursor.quiet_since = now
+            deliveries += [Delivery(cursor.job_id, e) for e in cursor.accept(entries)]
+            if cursor.done:
+                del self.cursors[key]
+        return deliveries
+
+    def _end_from_status(self) -> list[Delivery]:
+        ended = [c for c in self.cursors.values() if c.ended is not None]
+        for cursor in ended:
+            del self.cursors[cursor.events_key]
+        return [Delivery(c.job_id, c.final_from_status()) for c in ended]
+
+
+def _status_or_none(data: dict[Any, Any]) -> JobStatus | None:
+    try:
+        return JobStatus.from_hash(data) if data else None
+    except ValueError:  # a hash without a valid state tells nothing yet
+        return None
+
+
+def read_reply(raw: Any) -> dict[str, list[Any]]:
+    """XREAD's reply as {stream key: entries}: RESP2 gives [[key, entries]], RESP3
+    gives {key: [entries]}."""
+    if not raw:
+        return {}
+    if isinstance(raw, dict):
+        pairs = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
+    else:
+        pairs = [(k, v) for k, v in raw]
+    return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in pairs}

@@ -1,0 +1,160 @@
+"""The wire protocol: every bad job names its field; the committed JSON Schema is current."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from config import LimitSettings, load_settings
+from daemon.cli import main
+from producers.errors import ValidationError
+from producers.keys import Keys, event_id, seq_of
+from producers.schema import (
+    Event,
+    FinishReason,
+    JobState,
+    JobStatus,
+    encode_job,
+    parse_job,
+    protocol_schema,
+    protocol_schema_json,
+    validate_job,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("job", "field", "words"),
+    [
+        ({"prompt": 1}, "prompt", "valid string"),
+        ({"prompt": "a", "max_tokens": "10"}, "max_tokens", "valid integer"),
+        ({"prompt": "a", "max_tokens": True}, "max_tokens", "valid integer"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature", "valid number"),
+        ({"prompt": "a", "ignore_eos": 1}, "ignore_eos", "valid boolean"),
+        ({"prompt": "a", "metadata": [1]}, "metadata", "dictionary"),
+        ({"prompt_token_ids": ["a"]}, "prompt_token_ids.0", "valid integer"),
+        ({"prompt": "a", "bogus": 1}, "bogus", "unknown field"),
+        ({"prompt": "a", "temperature": -0.1}, "temperature", "greater than or equal to 0"),
+        ({"prompt": "a", "top_p": 0}, "top_p", "greater than 0"),
+        ({"prompt": "a", "top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ({"prompt": "a", "min_p": 2}, "min_p", "less than or equal to 1"),
+        ({"prompt": "a", "top_k": -1}, "top_k", "greater than or equal to 0"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "a", "seed": -1}, "seed", "greater than or equal to 0"),
+        ({"prompt": "a", "ttl_s": 0}, "ttl_s", "greater than 0"),
+        ({"prompt": "a", "stop": [""]}, "stop", "must not be empty"),
+        ({"prompt": "a", "id": "bad id!"}, "id", "pattern"),
+        ({}, "job", "exactly one of prompt, messages, prompt_token_ids"),
+        ({"prompt": "a", "messages": [USER]}, "job", "got prompt, messages"),
+        ({"messages": []}, "messages", "at least 1"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
+    ],
+)
+def test_bad_job_names_field(job: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        validate_job(job)
+    assert err.value.field == field
+    assert words in str(err.value)
+    assert str(err.value).startswith(f"{field}: ")
+    # The same job as raw bytes off the queue gives the same verdict.
+    with pytest.raises(ValidationError) as raw_err:
+        parse_job(json.dumps(job).encode())
+    assert raw_err.value.field == field
+
+
+def test_limits_come_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHD_LIMITS__MAX_TOKENS_CAP", "100")
+    monkeypatch.setenv("BATCHD_LIMITS__MAX_PROMPT_CHARS", "5")
+    monkeypatch.setenv("BATCHD_LIMITS__MAX_MESSAGES", "1")
+    monkeypatch.setenv("BATCHD_LIMITS__MAX_PROMPT_TOKENS", "2")
+    limits = load_settings().limits
+    cases = [
+        ({"prompt": "a", "max_tokens": 101}, "max_tokens", "101 exceeds the cap 100"),
+        ({"prompt": "abcdef", "max_tokens": 8}, "prompt", "6 characters exceed the limit 5"),
+        ({"messages": [USER, USER], "max_tokens": 8}, "messages", "2 messages exceed"),
+        ({"prompt_token_ids": [1, 2, 3], "max_tokens": 8}, "prompt_token_ids", "3 tokens"),
+    ]
+    for job, field, words in cases:
+        with pytest.raises(ValidationError) as err:
+            validate_job(job, limits)
+        assert (err.value.field, words in str(err.value)) == (field, True)
+        validate_job(job)  # no limits: fine
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
+        (b'{"prompt": ', "invalid JSON"),
+        (b"[1]", "object"),
+        (b"null", "object"),
+        (b'{"prompt": "' + b"a" * 2000 + b'"}', "exceeds the limit 1000"),
+    ],
+)
+def test_bad_payloads(payload: bytes, words: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_job(payload, LimitSettings(max_message_bytes=1000))
+    assert err.value.field == "job"
+    assert words in str(err.value)
+
+
+def test_encode_parse_round_trip() -> None:
+    job = validate_job(
+        {"id": "j1", "messages": [USER], "max_tokens": 4, "seed": 7, "metadata": {"k": [1]}}
+    )
+    assert parse_job(encode_job(job)) == job
+    assert b'"seed":7' in encode_job(job)
+    assert job.sampling()["seed"] == 7 and job.prompt_kind == "messages"
+
+
+@given(
+    seq=st.integers(min_value=0, max_value=10**9),
+    text=st.text(max_size=20),
+    token=st.integers(min_value=0, max_value=2**31),
+)
+def test_event_and_ids_round_trip(seq: int, text: str, token: int) -> None:
+    event = Event(seq=seq, token_id=token, text=text)
+    assert Event.decode(event.encode()) == event
+    assert seq_of(event_id(seq)) == seq and seq_of(event_id(seq).encode()) == seq
+
+
+def test_status_hash_round_trip() -> None:
+    status = JobStatus(state=JobState.running, queue="q", cancel_requested=True, queued_at=1.5)
+    stored = {k.encode(): v.encode() for k, v in status.to_hash().items()}
+    assert stored[b"cancel_requested"] == b"1"
+    assert JobStatus.from_hash(stored) == status
+    assert JobState.cancelled.terminal and not JobState.queued.terminal
+    assert Event(seq=3, finish_reason=FinishReason.stop).final
+
+
+def test_key_names() -> None:
+    keys = Keys("p")
+    assert keys.queue() == "p:queue:default"
+    assert (keys.job("j"), keys.events("j"), keys.tokens("j")) == (
+        "p:job:j",
+        "p:job:j:events",
+        "p:job:j:tokens",
+    )
+    assert (keys.cancel, keys.dead, keys.daemon("c")) == ("p:cancel", "p:dead", "p:daemon:c")
+
+
+def test_committed_schema_is_current() -> None:
+    committed = (ROOT / "producers" / "protocol.schema.json").read_text()
+    assert json.loads(committed) == protocol_schema()
+    assert committed == protocol_schema_json(), "run: batchd schema > producers/protocol.schema.json"
+
+
+def test_schema_command_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == (ROOT / "producers" / "protocol.schema.json").read_text()
+    assert json.loads(printed)["$defs"]["JobRequest"]["additionalProperties"] is False
