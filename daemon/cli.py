@@ -20,6 +20,7 @@ from config import Settings, SettingsError, load_settings
 COMMAND_MODULES = (
     "producers.cli",
     "daemon.model_cmd",
+    "daemon.serve_cmd",
     "daemon.bench_cmd",
 )
 

@@ -1,0 +1,156 @@
+"""A job the daemon holds: its request, its progress, and what Redis has not stored yet.
+
+The events stream is the checkpoint: ``seq`` of a token event is its index in
+``output_token_ids``, so a job rebuilt from its stored events continues at the
+next seq. Everything that must reach Redis waits in the job's outbox
+(``unpublished`` events, ``status`` fields, the finish flags) until one
+publish pipeline confirms it; while Redis is away the outbox just grows, in
+order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from producers.schema import (
+    FINAL_STATE,
+    Event,
+    FinishReason,
+    JobRequest,
+    Timings,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One entry of a queue stream handed to this daemon by the consumer group."""
+
+    queue: str
+    entry_id: str
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+
+    @property
+    def enqueued_at(self) -> float:
+        """Unix seconds of enqueue: the entry id's millisecond part."""
+        return int(self.entry_id.split("-", 1)[0]) / 1000.0
+
+
+@dataclass
+class Job:
+    """In-memory state of one job from pickup until Redis has its final event and ack."""
+
+    job_id: str
+    delivery: Delivery
+    request: JobRequest | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    timings: Timings = field(default_factory=Timings)
+    # The outbox: what the next publish pipeline writes, in order.
+    unpublished: list[Event] = field(default_factory=list)
+    status: dict[str, str] = field(default_factory=dict)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    dead_letter: bool = False
+    in_engine: bool = False
+
+    @property
+    def next_seq(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def ended(self) -> bool:
+        """The final event exists (in the outbox or already stored)."""
+        return self.finish_reason is not None
+
+    def set_status(self, **fields: Any) -> None:
+        """Queue status-hash fields for the next pipeline (values stored as strings)."""
+        for key, value in fields.items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                self.status[key] = "1" if value else "0"
+            elif isinstance(value, Enum):
+                self.status[key] = str(value.value)
+            else:
+                self.status[key] = str(value)
+
+    def add_token(
+        self,
+        token_id: int,
+        text: str,
+        *,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """Append one generated token as the next seq."""
+        assert not self.ended, f"job {self.job_id}: token after the final event"
+        if self.timings.first_token is None:
+            self.timings.first_token = time.time()
+            self.set_status(first_token_at=self.timings.first_token)
+        self.unpublished.append(
+            Event(
+                seq=self.next_seq,
+                token_id=token_id,
+                text=text,
+                logprob=logprob,
+                top_logprobs=top_logprobs,
+            )
+        )
+        self.output_token_ids.append(token_id)
+        self.text += text
+
+    def end(self, reason: FinishReason, *, error: str | None = None) -> None:
+        """Queue the final event and the terminal status; idempotent for a job already ended."""
+        if self.ended:
+            return
+        self.finish_reason = reason
+        self.error = error
+        self.timings.finished = time.time()
+        self.unpublished.append(
+            Event(
+                seq=self.next_seq,
+                text=self.text,
+                finish_reason=reason,
+                usage=Usage(
+                    prompt_tokens=len(self.prompt_token_ids),
+                    completion_tokens=len(self.output_token_ids),
+                ),
+                timings=self.timings.model_copy(),
+                error=error,
+                metadata=self.request.metadata if self.request is not None else None,
+            )
+        )
+        self.set_status(
+            state=FINAL_STATE[reason],
+            finish_reason=reason,
+            finished_at=self.timings.finished,
+            completion_tokens=len(self.output_token_ids),
+            error=error,
+        )
+
+    def reject(self, error: str) -> None:
+        """End as failed with ``error`` and a dead letter: bad input, poison, refused."""
+        log.warning("job %s (entry %s) rejected: %s", self.job_id, self.delivery.entry_id, error)
+        self.dead_letter = True
+        self.set_status(queue=self.delivery.queue, entry=self.delivery.entry_id)
+        self.end(FinishReason.error, error=error)
+
+    def resume_from(self, events: list[Event]) -> None:
+        """Take the stored token events as already emitted (the checkpoint)."""
+        for expected, event in enumerate(events):
+            if event.seq != expected or event.token_id is None:
+                raise ValueError(
+                    f"job {self.job_id}: stored event {event.seq} at position {expected} "
+                    "breaks the seq order"
+                )
+            self.output_token_ids.append(event.token_id)
+            self.text += event.text

@@ -1,0 +1,122 @@
+"""The real engine behind the daemon's Generator protocol: engine.LLMEngine on MLX.
+
+Built and used on the engine thread only. Importing this module imports MLX
+(through ``engine``, which preloads OpenBLAS first on Linux).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from config import EngineSettings
+from daemon.generator import JobRejected, Load, StepView, TokenOut
+from engine import EngineConfig, LLMEngine, SamplingParams
+from producers.schema import FinishReason, JobRequest
+
+
+class MLXGenerator:
+    """Adapts LLMEngine: job requests in, TokenOut per generated token."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.eos_token_ids = engine.eos_token_ids
+
+    @classmethod
+    def from_pretrained(cls, model: str, settings: EngineSettings) -> MLXGenerator:
+        """Load a model directory or hub id with the engine options from Settings."""
+        return cls(LLMEngine.from_pretrained(model, EngineConfig(**settings.model_dump())))
+
+    def encode(self, job_id: str, request: JobRequest) -> list[int]:
+        try:
+            if request.prompt is not None:
+                ids = list(self.tokenizer.encode(request.prompt))
+            elif request.messages is not None:
+                ids = list(
+                    self.tokenizer.apply_chat_template(
+                        [m.model_dump() for m in request.messages],
+                        add_generation_prompt=True,
+                        tokenize=True,
+                    )
+                )
+            else:
+                ids = list(request.prompt_token_ids or ())
+        except Exception as exc:  # a tokenizer/template error is the job's fault, not ours
+            raise JobRejected(job_id, f"prompt: cannot tokenize: {exc}") from exc
+        if not ids:
+            raise JobRejected(job_id, "prompt: empty after tokenizing")
+        return [int(t) for t in ids]
+
+    def start(
+        self,
+        job_id: str,
+        request: JobRequest,
+        prompt_token_ids: list[int],
+        *,
+        emitted: Sequence[int] = (),
+    ) -> FinishReason | None:
+        if emitted:
+            done = self._already_finished(request, emitted)
+            if done is not None:
+                return done
+        try:
+            params = SamplingParams(**request.sampling())
+            self.engine.add_request(
+                job_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                priority=request.priority,
+                resume_output_token_ids=emitted,
+            )
+        except ValueError as exc:
+            raise JobRejected(job_id, str(exc)) from exc
+        return None
+
+    def _already_finished(self, request: JobRequest, emitted: Sequence[int]) -> FinishReason | None:
+        """A crash after the last token's event but before the final event."""
+        if len(emitted) >= request.max_tokens:
+            return FinishReason.length
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return FinishReason.stop if emitted[-1] in stop_ids else None
+
+    def abort(self, job_id: str) -> None:
+        self.engine.abort(job_id)
+
+    def step(self) -> list[TokenOut]:
+        return [
+            TokenOut(
+                job_id=out.request_id,
+                token_id=out.token_id,
+                text=out.text,
+                logprob=out.logprob,
+                top_logprobs=out.top_logprobs,
+                finish_reason=FinishReason(out.finish_reason) if out.finish_reason else None,
+            )
+            for out in self.engine.step()
+        ]
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def load(self) -> Load:
+        stats = self.engine.last_step_stats
+        total = stats.kv_blocks_total or 1
+        return Load(
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_usage=stats.kv_blocks_used / total,
+            capacity=self.engine.capacity(),
+        )
+
+    def last_step(self) -> StepView:
+        stats = self.engine.last_step_stats
+        return StepView(
+            decodes=tuple(c.request_id for c in stats.chunks if c.kind == "decode"),
+            prefills=tuple(
+                (c.request_id, c.num_tokens) for c in stats.chunks if c.kind != "decode"
+            ),
+            preempted=tuple(stats.preempted),
+            num_batched_tokens=stats.num_scheduled_tokens,
+        )

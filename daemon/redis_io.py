@@ -1,0 +1,91 @@
+"""Redis connections of the daemon, and the backoff used while Redis is away."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from config import Settings
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "Redis is not reachable now": keep the work, retry later.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def connect(settings: Settings) -> redis.Redis:
+    """A client for the daemon's loop or heartbeat.
+
+    socket_timeout exceeds XREADGROUP's BLOCK (redis-py #2807, #3138), and one
+    quick retry reconnects a connection that a Redis restart left stale; longer
+    outages are the worker's backoff to handle, not redis-py's.
+    """
+    return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.daemon.block_ms / 1000 + 5.0,
+        socket_connect_timeout=2.0,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
+
+
+class Backoff:
+    """Exponential backoff between attempts to reach Redis, capped at ``cap_s``.
+
+    Logs once when Redis goes away and once when it is back, with the outage
+    length. ``up_since`` is when Redis last became reachable (claiming jobs
+    of others waits a heartbeat TTL after that, so live daemons can refresh
+    their heartbeats first).
+    """
+
+    def __init__(
+        self,
+        *,
+        cap_s: float,
+        base_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cap_s = cap_s
+        self.base_s = base_s
+        self.clock = clock
+        self.failures = 0
+        self.down_since: float | None = None
+        self.next_try = 0.0
+        self.up_since = clock()
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def ready(self) -> bool:
+        """True when Redis is up or the next retry is due."""
+        return self.clock() >= self.next_try
+
+    def delay(self) -> float:
+        """Seconds until the next retry (0 when Redis is up)."""
+        return max(0.0, self.next_try - self.clock())
+
+    def failed(self, exc: BaseException, *, doing: str) -> None:
+        now = self.clock()
+        wait = min(self.cap_s, self.base_s * 2**self.failures)
+        self.failures += 1
+        self.next_try = now + wait
+        if self.down_since is None:
+            self.down_since = now
+            log.warning("redis unreachable while %s (%s); retrying with backoff", doing, exc)
+        else:
+            log.debug("redis still unreachable while %s (%s); next try in %.2fs", doing, exc, wait)
+
+    def succeeded(self) -> None:
+        if self.down_since is not None:
+            now = self.clock()
+            log.warning("redis is back after %.1fs; carrying on", now - self.down_since)
+            self.up_since = now
+        self.down_since = None
+        self.failures = 0
+        self.next_try = 0.0
