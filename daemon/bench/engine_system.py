@@ -40,10 +40,7 @@ class BatchdSystem:
         )
 
     def step(self) -> list[tuple[str, int, bool]]:
-        return [
-            (out.request_id, 0 if out.token_id is None else 1, out.finished)
-            for out in self.engine.step()
-        ]
+        return [(out.request_id, 1, out.finished) for out in self.engine.step()]
 
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished())

@@ -99,34 +99,42 @@ def chart(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    offline = {n: r for n, r in report["workloads"].items() if n in ("mixed", "shared-prefix")}
     fig, (bars, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _throughput_panel(bars, report)
+    _ttft_panel(ttft, report)
+    fig.suptitle(f"batchd bench: {report['settings']['model_label']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _throughput_panel(ax: Any, report: dict[str, Any]) -> None:
+    """Grouped bars, one group per throughput workload, log scale, the FLOP limit dotted."""
+    offline = {n: r for n, r in report["workloads"].items() if n in ("mixed", "shared-prefix")}
+    if not offline:
+        ax.text(0.5, 0.5, "no throughput workload in this run", ha="center", va="center")
+        ax.set_axis_off()
+        return
     width = 0.8 / len(OFFLINE_ORDER)
     for i, key in enumerate(OFFLINE_ORDER):
         xs = [n for n, r in enumerate(offline.values()) if key in r["systems"]]
         values = [r["systems"][key]["tok_s"] for r in offline.values() if key in r["systems"]]
-        drawn = bars.bar(
+        drawn = ax.bar(
             [x + (i - (len(OFFLINE_ORDER) - 1) / 2) * width for x in xs],
             values,
             width,
             label=LABELS[key],
             color=_COLORS[key],
         )
-        bars.bar_label(drawn, fmt="%.0f", fontsize="x-small")
+        ax.bar_label(drawn, fmt="%.0f", fontsize="x-small")
     for x, result in enumerate(offline.values()):
-        bars.hlines(result["limit"]["limit_tok_s"], x - 0.45, x + 0.45, colors="k", linestyles=":")
-    bars.set_xticks(range(len(offline)), list(offline))
-    bars.set_ylabel("output tokens/s")
-    bars.set_yscale("log")
-    top = max([r["limit"]["limit_tok_s"] for r in offline.values()], default=1.0)
-    bars.set_ylim(top=top * 8)
-    bars.set_title("Throughput, log scale (dotted: FLOP limit)")
-    bars.legend(fontsize="small", loc="upper left", ncol=2)
-    _ttft_panel(ttft, report)
-    fig.suptitle(f"batchd bench: {report['settings']['model_label']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+        ax.hlines(result["limit"]["limit_tok_s"], x - 0.45, x + 0.45, colors="k", linestyles=":")
+    ax.set_xticks(range(len(offline)), list(offline))
+    ax.set_ylabel("output tokens/s")
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(r["limit"]["limit_tok_s"] for r in offline.values()) * 8)
+    ax.set_title("Throughput, log scale (dotted: FLOP limit)")
+    ax.legend(fontsize="small", loc="upper left", ncol=2)
 
 
 def _ttft_panel(ax: Any, report: dict[str, Any]) -> None:

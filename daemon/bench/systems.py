@@ -83,7 +83,8 @@ class Systems:
         )
         return BatchdSystem(self.settings.model_path, config)
 
-    def _warmup(self, workload: Workload) -> Workload:
+    def warmup_for(self, workload: Workload) -> Workload:
+        """The warm-up requests that go before ``workload``."""
         longest = max(len(r.prompt_ids) for r in workload.requests)
         return warmup(
             scale=self.settings.scale, vocab_size=self.settings.vocab_size, longest_prompt=longest
@@ -95,11 +96,11 @@ class Systems:
 
     def offline(self, key: str, workload: Workload) -> RunStats:
         """Warm ``key`` up, then run ``workload`` with every request at t=0."""
-        warm = self._warmup(workload)
+        warm = self.warmup_for(workload)
         label = f"{workload.name} / {LABELS[key]}"
         run: Callable[[Workload, Recorder], RunStats]
         if key in STEP_SYSTEMS:
-            system = self._step_system(key, _longest(workload, warm))
+            system = self._step_system(key, longest_request(workload, warm))
 
             def run(w: Workload, r: Recorder) -> RunStats:
                 return run_offline(system, w, r)
@@ -123,8 +124,8 @@ class Systems:
 
     def timed(self, key: str, workload: Workload, arrivals: list[float]) -> RunStats:
         """Warm ``key`` up, then run ``workload`` with requests arriving at ``arrivals``."""
-        warm = self._warmup(workload)
-        system = self._step_system(key, _longest(workload, warm))
+        warm = self.warmup_for(workload)
+        system = self._step_system(key, longest_request(workload, warm))
         label = f"{workload.name} / {LABELS[key]}"
         run_offline(system, warm, self._recorder(label, len(warm.requests), warmup=True))
         stats = run_timed(system, workload, arrivals, self._recorder(label, len(workload.requests)))
@@ -133,5 +134,6 @@ class Systems:
         return stats
 
 
-def _longest(*workloads: Workload) -> int:
+def longest_request(*workloads: Workload) -> int:
+    """Prompt + max_tokens of the longest request: what the KV pool must hold per sequence."""
     return max(len(r.prompt_ids) + r.max_tokens for w in workloads for r in w.requests)
