@@ -39,6 +39,7 @@ from producers.schema import (
 log = logging.getLogger(__name__)
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
+_ID_FIELD = re.compile(r'"id"\s*:\s*"([^"\\]{1,128})"')
 
 Encode = Callable[[str, JobRequest], list[int]]
 
@@ -190,13 +191,15 @@ def _parse(delivery: Delivery, limits: LimitSettings) -> Job:
 
 
 def _recover_id(payload: bytes | None) -> str | None:
-    if payload is None or len(payload) > 16 * 1024 * 1024:
+    """The job id of a payload that may be broken (bad bytes, cut JSON), if it names one."""
+    if payload is None:
         return None
     try:
-        data = orjson.loads(payload)
+        data = orjson.loads(payload.decode("utf-8", errors="replace"))
+        value = data.get("id") if isinstance(data, dict) else None
     except orjson.JSONDecodeError:
-        return None
-    value = data.get("id") if isinstance(data, dict) else None
+        found = _ID_FIELD.search(payload[:4096].decode("utf-8", errors="replace"))
+        value = found.group(1) if found else None
     return value if isinstance(value, str) and _JOB_ID.match(value) else None
 
 
