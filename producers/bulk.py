@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import orjson
 import redis
-from rq import Queue, Retry, Worker, get_current_job
+from rq import Queue, Retry, SimpleWorker, Worker, get_current_job
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -243,8 +243,16 @@ def enqueue_bulk(
     )
 
 
-def bulk_worker(connection: redis.Redis, *, rq_queue_name: str = RQ_QUEUE, burst: bool) -> bool:
-    """Run an rq worker (JSON serializer) on the bulk queue; True if it ran a job."""
+def bulk_worker(
+    connection: redis.Redis, *, rq_queue_name: str = RQ_QUEUE, burst: bool, fork: bool = True
+) -> bool:
+    """Run an rq worker (JSON serializer) on the bulk queue; True if it ran a job.
+
+    rq's default worker runs each job in a forked work horse in its own session:
+    killing only the worker leaves the horse running (and holding OUT's lock).
+    ``fork=False`` runs jobs in the worker process itself (rq's SimpleWorker).
+    """
     queue = rq_queue(connection, rq_queue_name)
-    worker = Worker([queue], connection=connection, serializer=JSONSerializer)
+    kind = Worker if fork else SimpleWorker
+    worker = kind([queue], connection=connection, serializer=JSONSerializer)
     return worker.work(burst=burst)

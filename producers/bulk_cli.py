@@ -39,6 +39,9 @@ def register_bulk(sub: Any) -> None:
     p = sub.add_parser("bulk-worker", help="run the rq worker for bulk runs")
     p.add_argument("--rq-queue", default=RQ_QUEUE, help=f"rq queue (default: {RQ_QUEUE})")
     p.add_argument("--burst", action="store_true", help="exit once the queue is empty")
+    p.add_argument(
+        "--no-fork", action="store_true", help="run jobs in this process (rq SimpleWorker)"
+    )
     p.set_defaults(func=worker)
 
 
@@ -109,7 +112,12 @@ def _failure(job: Job) -> str:
 
 def worker(args: argparse.Namespace, settings: Settings) -> int:
     try:
-        bulk_worker(_connection(settings), rq_queue_name=args.rq_queue, burst=args.burst)
+        bulk_worker(
+            _connection(settings),
+            rq_queue_name=args.rq_queue,
+            burst=args.burst,
+            fork=not args.no_fork,
+        )
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         print(f"batchd: cannot reach Redis: {exc}", file=sys.stderr)
         return 3

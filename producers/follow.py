@@ -9,10 +9,11 @@ event. After a dropped connection it backs off and catches up again from the
 last seq it delivered.
 
 A job can end without a final event (dead-lettered by the daemon, or its
-events expired): a follower that has heard nothing for ``status_interval_s``
-reads the job's status hash; when that says the job is over, it reads the
-stream once more (the daemon writes the final event before the status) and,
-if there is still no final event, makes one from the status.
+events expired): a follower reads the job's status hash once it has caught
+up, and again whenever it has heard nothing for ``status_interval_s``; when
+the status says the job is over, it reads the stream once more (the daemon
+writes the final event before the status) and, if there is still no final
+event, makes one from the status.
 
 The logic is a plan: a generator that yields Redis commands (:class:`Read`,
 :class:`FetchStatus`, :class:`Pause`) and receives their replies, or yields a
@@ -86,6 +87,7 @@ class EventCursor:
         self.next_seq = after_seq + 1
         self.done = False
         self.quiet_since = -math.inf
+        self.status_checked = False
         self.ended: JobStatus | None = None
 
     @property
@@ -216,7 +218,11 @@ class Follower:
 
     def _due(self) -> list[EventCursor]:
         now = time.monotonic()
-        return [c for c in self.cursors.values() if now - c.quiet_since >= self.status_interval_s]
+        return [
+            c
+            for c in self.cursors.values()
+            if not c.status_checked or now - c.quiet_since >= self.status_interval_s
+        ]
 
     def _note_status(self, due: list[EventCursor], hashes: list[dict[Any, Any]]) -> bool:
         """Remember which jobs have ended; True when the streams must be read again."""
@@ -224,6 +230,7 @@ class Follower:
         ended = False
         for cursor, data in zip(due, hashes, strict=True):
             cursor.quiet_since = now
+            cursor.status_checked = True
             status = _status_or_none(data)
             if status is not None and status.state.terminal:
                 cursor.ended = status

@@ -150,7 +150,8 @@ def test_key_names() -> None:
 def test_committed_schema_is_current() -> None:
     committed = (ROOT / "producers" / "protocol.schema.json").read_text()
     assert json.loads(committed) == protocol_schema()
-    assert committed == protocol_schema_json(), "run: batchd schema > producers/protocol.schema.json"
+    regenerate = "run: batchd schema > producers/protocol.schema.json"
+    assert committed == protocol_schema_json(), regenerate
 
 
 def test_schema_command_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
