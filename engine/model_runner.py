@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine import fast_math
 from engine.kv_pool import KVPool
 from engine.loader import ModelSpec
 from engine.paged_attention import (
@@ -71,6 +72,8 @@ class ModelRunner:
         self.pool = pool
         self._layers = model.layers
         self._scale = self._layers[0].self_attn.scale
+        self._fast_math = fast_math.enabled()
+        fast_math.tune_malloc()
 
     def execute(self, chunks: Sequence[ChunkInput]) -> mx.array | None:
         """Run one forward; return logits ``[num_sampling_chunks, vocab]`` in chunk order.
@@ -185,8 +188,13 @@ class ModelRunner:
                 )
             out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
             x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
+
+    def _mlp(self, mlp: nn.Module, h: mx.array) -> mx.array:
+        if self._fast_math:
+            return mlp.down_proj(fast_math.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
+        return mlp(h)
 
     def _logits(self, hidden: mx.array) -> mx.array:
         inner = self.model.model

@@ -1,0 +1,320 @@
+"""LLMEngine: requests in, one scheduler step + one packed forward per step(), tokens out.
+
+A plain library object with no threads: every call, abort included, must come
+from the thread that owns it (MLX streams are thread-local).
+
+    eng = LLMEngine.from_pretrained(path, EngineConfig(max_num_seqs=32))
+    eng.add_request("r1", prompt="Hello", params=SamplingParams(max_tokens=64))
+    while eng.has_unfinished():
+        for out in eng.step():
+            ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.kv_pool import KVPool, size_pool
+from engine.loader import LoadedModel, load
+from engine.model_runner import ChunkInput, ModelRunner
+from engine.outputs import ChunkStat, RequestOutput, StepStats
+from engine.request_state import RequestState
+from engine.sampler import REPETITION_CONTEXT, SampleRow, sample
+from engine.sampling_params import SamplingParams
+from engine.schedule import SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason
+from engine.sequence import Sequence as Seq
+
+__all__ = ["LLMEngine", "RequestOutput", "StepStats"]
+
+log = logging.getLogger(__name__)
+
+# Used when neither the config nor the model states a context length.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV pool (see ARCHITECTURE.md, Engine)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.spec = loaded.spec
+        self.max_model_len = (
+            config.max_model_len or loaded.spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        )
+        num_blocks = config.num_kv_blocks or size_pool(
+            loaded.spec,
+            block_size=config.block_size,
+            memory_fraction=config.kv_memory_fraction,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        self.pool = KVPool(loaded.spec, num_blocks=num_blocks, block_size=config.block_size)
+        self.runner = ModelRunner(loaded.model, loaded.spec, self.pool)
+        self.scheduler = Scheduler(config, num_blocks=num_blocks, max_model_len=self.max_model_len)
+        self.eos_token_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
+        self.last_step_stats: StepStats = StepStats(step=0)
+        self._requests: dict[str, RequestState] = {}
+        self._num_steps = 0
+        self._rng = random.Random()
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo: str | Path, config: EngineConfig | None = None
+    ) -> LLMEngine:
+        """Load a local model directory or hub id (llama, mistral, qwen2, qwen3)."""
+        return cls(load(path_or_repo, dtype=config.dtype if config else None), config)
+
+    # -- requests --------------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def capacity(self) -> int:
+        """How many more requests to hand over now: free running slots plus a short queue
+        (half the running cap) so a finished slot is refilled without waiting for intake."""
+        cap = self.config.max_num_seqs + self.config.max_num_seqs // 2
+        return max(0, cap - len(self._requests))
+
+    def can_admit(self, n: int = 1) -> bool:
+        return self.capacity() >= n
+
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        resume_output_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request given exactly one of prompt / prompt_token_ids / messages.
+
+        ``resume_output_token_ids`` are outputs a previous run already delivered:
+        they are not emitted again, count toward max_tokens, and seeded sampling
+        continues at the next position. Raises ValueError on bad input.
+        """
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        ids = self._prompt_ids(request_id, prompt, prompt_token_ids, messages)
+        resumed = [int(t) for t in resume_output_token_ids]
+        self._check_ids(request_id, ids + resumed)
+        remaining = params.max_tokens - len(resumed)
+        if remaining < 1:
+            raise ValueError(
+                f"request {request_id!r}: {len(resumed)} resumed tokens leave nothing to "
+                f"generate (max_tokens={params.max_tokens})"
+            )
+        context = len(ids) + len(resumed)
+        if context >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {context} tokens leaves no room in "
+                f"max_model_len {self.max_model_len}"
+            )
+        # Generation also stops at the context length (finish_reason "length").
+        remaining = min(remaining, self.max_model_len - context)
+        seq = Seq(
+            request_id,
+            ids + resumed,
+            dataclasses.replace(params, max_tokens=remaining),
+            priority=priority,
+        )
+        self.scheduler.add(seq)
+        self._requests[request_id] = RequestState(
+            request_id,
+            params,
+            seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            max_outputs=len(resumed) + remaining,
+            resumed_tokens=resumed,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now, freeing its KV blocks; False if it was not live."""
+        if self._requests.pop(request_id, None) is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward; the tokens it produced."""
+        start = time.perf_counter()
+        self._num_steps += 1
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            self.last_step_stats = self._stats(scheduled, start, 0.0, 0)
+            return []
+        chunks = [
+            ChunkInput(c.token_ids, c.start, c.slots, c.seq.block_table, c.samples)
+            for c in scheduled.chunks
+        ]
+        sampling = [c for c in scheduled.chunks if c.samples]
+        logits = self.runner.execute(chunks)
+        forward_s = 0.0
+        sampled: dict[str, int] = {}
+        outputs: list[RequestOutput] = []
+        if logits is not None:
+            host = np.array(logits.astype(mx.float32))
+            forward_s = time.perf_counter() - start
+            rows = [self._sample_row(c.seq) for c in sampling]
+            samples = sample(host, rows)
+            sampled = {c.seq.seq_id: t for c, t in zip(sampling, samples.token_ids, strict=True)}
+            self.scheduler.update(scheduled, sampled)
+            for i, chunk in enumerate(sampling):
+                outputs.append(
+                    self._output(
+                        chunk.seq.seq_id,
+                        samples.token_ids[i],
+                        samples.logprobs[i],
+                        samples.top_logprobs[i],
+                    )
+                )
+        else:
+            forward_s = time.perf_counter() - start
+            self.scheduler.update(scheduled, sampled)
+        self.last_step_stats = self._stats(scheduled, start, forward_s, len(outputs))
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[int]]:
+        """Run prompts (token ids or text) to completion; generated ids, in order."""
+        if isinstance(params, SamplingParams) or params is None:
+            per = [params or SamplingParams()] * len(prompts)
+        else:
+            per = list(params)
+        ids = [f"_generate-{self._num_steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, per, strict=True):
+            if isinstance(prompt, str):
+                self.add_request(rid, prompt=prompt, params=p)
+            else:
+                self.add_request(rid, prompt_token_ids=prompt, params=p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self._requests for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].append(out.token_id)
+        return [results[rid] for rid in ids]
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _prompt_ids(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        messages: Sequence[dict[str, Any]] | None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError(
+                f"request {request_id!r}: give exactly one of prompt, prompt_token_ids, "
+                f"messages (got {sum(given)})"
+            )
+        if prompt is not None:
+            ids = list(self.tokenizer.encode(prompt))
+        elif messages is not None:
+            ids = list(
+                self.tokenizer.apply_chat_template(
+                    list(messages), add_generation_prompt=True, tokenize=True
+                )
+            )
+        else:
+            ids = [int(t) for t in prompt_token_ids or ()]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        return ids
+
+    def _check_ids(self, request_id: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary "
+                f"[0, {self.spec.vocab_size})"
+            )
+
+    def _sample_row(self, seq: Seq) -> SampleRow:
+        state = self._requests[seq.seq_id]
+        recent: Sequence[int] = ()
+        if state.params.repetition_penalty != 1.0:
+            recent = seq.tokens(max(0, seq.num_tokens - REPETITION_CONTEXT), seq.num_tokens)
+        return SampleRow(state.params, state.seed, state.num_outputs, recent)
+
+    def _output(
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None,
+    ) -> RequestOutput:
+        state = self._requests[request_id]
+        index = state.num_outputs
+        verdict = state.on_token(token_id)
+        if verdict.finish_reason is not None:
+            self.scheduler.finish(request_id, FinishReason(verdict.finish_reason))
+            del self._requests[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            token_id=token_id,
+            text=verdict.text,
+            logprob=logprob,
+            index=index,
+            finished=verdict.finish_reason is not None,
+            finish_reason=verdict.finish_reason,
+            top_logprobs=top,
+        )
+
+    def _stats(
+        self, scheduled: SchedulerOutput, start: float, forward_s: float, num_outputs: int
+    ) -> StepStats:
+        sched = self.scheduler
+        bm = sched.block_manager
+        decode_tokens = scheduled.num_decodes
+        return StepStats(
+            step=self._num_steps,
+            num_scheduled_tokens=scheduled.num_batched_tokens,
+            num_prefill_tokens=scheduled.num_batched_tokens - decode_tokens,
+            num_decode_tokens=decode_tokens,
+            num_seqs=len(scheduled.chunks),
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_outputs=num_outputs,
+            step_time_s=time.perf_counter() - start,
+            forward_time_s=forward_s,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            prefix_cache_hit_rate=bm.hit_rate,
+            num_preemptions_total=sched.num_preemptions,
+            preempted=[s.seq_id for s in scheduled.preempted],
+            chunks=[
+                ChunkStat(
+                    c.seq.seq_id, "decode" if c.is_decode else "prefill", c.start, c.num_tokens
+                )
+                for c in scheduled.chunks
+            ],
+        )
