@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
 from engine.config import EngineConfig
@@ -57,7 +58,7 @@ def run_engine(eng: LLMEngine, work: Workload) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, tokens
 
 
-def run_batch_generator(model: object, work: Workload, *, batch_size: int) -> float:
+def run_batch_generator(model: Any, work: Workload, *, batch_size: int) -> float:
     """Seconds for mlx-lm's BatchGenerator to finish the workload."""
     from mlx_lm.generate import BatchGenerator
 
