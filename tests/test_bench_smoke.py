@@ -114,3 +114,27 @@ def test_files_and_headline(bench_run: BenchRun) -> None:
     last_line = bench_run.stdout.strip().splitlines()[-1]
     assert last_line == bench_run.report["headline"]
     assert last_line.startswith("mixed ") and "x BatchGenerator" in last_line
+
+
+@pytest.mark.slow
+def test_quick_bench_on_bench_small(tmp_path: Path) -> None:
+    """`batchd bench --quick` on the CPU benchmark model, every workload (a few minutes)."""
+    from engine.model_fixture import FixtureSpec, make_model
+
+    model = make_model(tmp_path / "bench-small", FixtureSpec(preset="bench-small"))
+    server = RedisServer(tmp_path / "redis").start()
+    parser = argparse.ArgumentParser(prog="batchd")
+    bench_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["bench", "--model", str(model), "--quick", "--out", str(tmp_path / "out")]
+    )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert args.func(args, load_settings(redis_url=server.url)) == 0
+    finally:
+        server.kill()
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    for name in ("mixed", "shared-prefix"):
+        assert set(report["workloads"][name]["systems"]) == OFFLINE_SYSTEMS
+    assert set(report["workloads"]["online"]["systems"]) == {"batchd", "batchgen"}
+    assert report["workloads"]["queue"]["available"], report["workloads"]["queue"]
