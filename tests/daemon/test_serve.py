@@ -30,8 +30,9 @@ KEYS = Keys()
 class ChannelRecorder:
     """PSUBSCRIBEs to every job's token channel and records the seqs each job got."""
 
-    def __init__(self, client: redis.Redis) -> None:
-        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         self.pubsub.psubscribe(KEYS.tokens("*"))
         self.seqs: dict[str, list[int]] = {}
         self._stop = threading.Event()
@@ -50,6 +51,7 @@ class ChannelRecorder:
         self._stop.set()
         self._thread.join(5)
         self.pubsub.close()
+        self.client.close()
 
 
 def test_hundred_jobs_from_four_producers(
@@ -58,7 +60,7 @@ def test_hundred_jobs_from_four_producers(
     jobs = mixed_jobs(100, prefix="m", seed=1)
     expected = reference(jobs)
     client = redis_server.client()
-    recorder = ChannelRecorder(client)
+    recorder = ChannelRecorder(redis_server.url)
     config = daemon_config(tmp_path, redis_server.url)
     daemon = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log").wait_serving()
     try:
