@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "producers.cli",
     "daemon.model_cmd",
     "daemon.serve_cmd",
+    "daemon.demo_cmd",
     "daemon.bench_cmd",
 )
 

@@ -84,6 +84,7 @@ class Worker:
         self.stopping = False
         self.deadline = float("inf")
         self.next_claim = 0.0
+        self.claim_error: str | None = None
 
     # -- control from outside (signal handlers, the demo) ---------------------------------
 
@@ -216,6 +217,12 @@ class Worker:
                 self.recovery.forget_dead_consumers(queue)
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="claiming jobs of dead daemons")
+        except redis.ResponseError as exc:
+            # E.g. a server without Lua (fakeredis) or an ACL forbidding EVALSHA: serve
+            # without taking over dead daemons' jobs rather than not at all.
+            if str(exc) != self.claim_error:
+                log.error("claiming jobs of dead daemons failed: %s", exc)
+            self.claim_error = str(exc)
 
     # -- helpers ----------------------------------------------------------------------------
 
