@@ -1,0 +1,122 @@
+"""Model runner on hand-built packed batches: logits equal mlx-lm's full forward.
+
+Also the pieces under it: the fast CPU exp, the loader's architecture check
+and the pool sizing rule.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine  # noqa: F401  (OpenBLAS before MLX)
+from engine import fast_math
+from engine.kv_pool import KVPool, size_pool
+from engine.loader import LoadedModel, UnsupportedModelError, check_config, load
+from engine.model_runner import ChunkInput, ModelRunner
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: Path) -> LoadedModel:
+    return load(tiny_model)
+
+
+def _runner(loaded: LoadedModel) -> ModelRunner:
+    pool = KVPool(loaded.spec, num_blocks=64, block_size=BLOCK)
+    return ModelRunner(loaded.model, loaded.spec, pool)
+
+
+def _chunk(tokens: list[int], start: int, n: int, table: list[int], samples: bool) -> ChunkInput:
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+    return ChunkInput(tokens[start : start + n], start, slots, table, samples)
+
+
+def _reference_logits(loaded: LoadedModel, tokens: list[int]) -> np.ndarray:
+    """mlx-lm's last-position logits for the whole sequence in one forward."""
+    return np.array(loaded.model(mx.array(tokens)[None])[0, -1])
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(4, 1000, n).tolist()
+
+
+def test_packed_batch_matches_full_forward(loaded: LoadedModel) -> None:
+    runner = _runner(loaded)
+    a, b, c = _tokens(0, 40), _tokens(1, 23), _tokens(2, 7)
+    ta, tb, tc = [0, 1, 2], [3, 4], [5]
+    # Step 1: a's first 30 tokens (no sampling), b whole, c's first 6.
+    first = runner.execute(
+        [_chunk(a, 0, 30, ta, False), _chunk(b, 0, 23, tb, True), _chunk(c, 0, 6, tc, False)]
+    )
+    assert first is not None and first.shape == (1, loaded.spec.vocab_size)
+    np.testing.assert_allclose(np.array(first[0]), _reference_logits(loaded, b), atol=2e-4)
+    # Step 2: c decodes its last token, a finishes its prompt from position 30, chunk order mixed.
+    second = runner.execute([_chunk(a, 30, 10, ta, True), _chunk(c, 6, 1, tc, True)])
+    assert second is not None
+    np.testing.assert_allclose(np.array(second[0]), _reference_logits(loaded, a), atol=2e-4)
+    np.testing.assert_allclose(np.array(second[1]), _reference_logits(loaded, c), atol=2e-4)
+
+
+def test_decodes_of_different_lengths_batch_together(loaded: LoadedModel) -> None:
+    runner = _runner(loaded)
+    seqs = [_tokens(10 + i, n) for i, n in enumerate((5, 70, 33, 2))]
+    tables = [[5 * i + j for j in range(5)] for i in range(len(seqs))]
+    prefill = [_chunk(s, 0, len(s) - 1, t, False) for s, t in zip(seqs, tables, strict=True)]
+    assert runner.execute(prefill) is None  # nothing samples: the pool is still written
+    decodes = [_chunk(s, len(s) - 1, 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+    logits = runner.execute(decodes)
+    assert logits is not None
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(np.array(logits[i]), _reference_logits(loaded, s), atol=2e-4)
+
+
+def test_fast_exp_is_accurate_and_zero_weights_masked() -> None:
+    x = mx.array(np.linspace(-87, 88, 200_001, dtype=np.float32))
+    ref = np.exp(np.array(x, dtype=np.float64))
+    rel = np.abs(np.array(fast_math.exp(x), dtype=np.float64) - ref) / ref
+    assert rel.max() < 2e-7
+    probs = np.array(fast_math.softmax(mx.array([[0.0, 1.0, fast_math.MASKED, 2.0]])))
+    expected = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum()
+    np.testing.assert_allclose(probs[0, [0, 1, 3]], expected, rtol=1e-6)
+    assert probs[0, 2] < 1e-37
+
+
+def test_loader_refuses_other_architectures(tmp_path: Path) -> None:
+    config = {"model_type": "gemma2", "hidden_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="gemma2"):
+        load(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        check_config({"model_type": "llama", "layer_types": ["sliding_attention"]}, source="x")
+
+
+def test_pool_size_follows_memory_and_caps(loaded: LoadedModel) -> None:
+    spec = loaded.spec
+    block_bytes = spec.kv_bytes_per_token * BLOCK
+    by_memory = size_pool(
+        spec,
+        block_size=BLOCK,
+        memory_fraction=0.5,
+        max_num_seqs=8,
+        max_model_len=2048,
+        available_bytes=100 * block_bytes,
+    )
+    assert by_memory == 50
+    capped = size_pool(
+        spec,
+        block_size=BLOCK,
+        memory_fraction=0.5,
+        max_num_seqs=2,
+        max_model_len=64,
+        available_bytes=1 << 40,
+    )
+    assert capped == max(16, 2 * (64 // BLOCK + 1))
+    pool = KVPool(spec, num_blocks=4, block_size=BLOCK)
+    assert pool.k[0].shape == (spec.num_kv_heads, 4 * BLOCK, spec.head_dim)
+    assert pool.nbytes == 4 * block_bytes
