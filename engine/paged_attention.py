@@ -145,7 +145,7 @@ def decode_attention(
             keys[:, None],
             values[:, None],
             scale=scale,
-            mask=group.bias[:, None],
+            mask=group.bias[:, None].astype(queries.dtype),
         )
     out = out.reshape(kv_heads, batch, group_size, dim).transpose(1, 0, 2, 3)
     return out.reshape(batch, heads * dim)
@@ -175,7 +175,7 @@ def prefill_attention(
             keys[None],
             values[None],
             scale=scale,
-            mask="causal" if chunk.blocks is None else chunk.bias,
+            mask="causal" if chunk.blocks is None else chunk.bias.astype(q.dtype),
         )
         return out[0].transpose(1, 0, 2).reshape(n, heads * dim)
     # [kv_heads, group, n, D]: head h = kv * group + g reads KV head kv.
