@@ -85,14 +85,17 @@ class PickupPolicy:
         for job in valid:
             pipe.hgetall(self.keys.job(job.job_id))
             pipe.xrange(self.keys.events(job.job_id))
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
         for i, job in enumerate(valid):
             self._decide(job, replies[2 * i], replies[2 * i + 1], out)
         return out
 
-    def _decide(
-        self, job: Job, raw_status: dict[bytes, bytes], raw_events: Any, out: Pickup
-    ) -> None:
+    def _decide(self, job: Job, raw_status: Any, raw_events: Any, out: Pickup) -> None:
+        for reply in (raw_status, raw_events):
+            if isinstance(reply, redis.ResponseError):
+                job.reject(f"cannot read the job's keys: {reply}")
+                out.ended.append(job)
+                return
         status = _status(job.job_id, raw_status)
         events = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in raw_events]
         stored_entry = raw_status.get(b"entry")

@@ -85,6 +85,8 @@ class Worker:
         self.deadline = float("inf")
         self.next_claim = 0.0
         self.claim_error: str | None = None
+        # Deliveries read (pending for us) whose pickup Redis interrupted: retried first.
+        self.backlog: list[Delivery] = []
 
     # -- control from outside (signal handlers, the demo) ---------------------------------
 
@@ -129,6 +131,9 @@ class Worker:
             return
         idle = not self.jobs and not self.gen.has_work()
         try:
+            if self.backlog:
+                backlog, self.backlog = self.backlog, []
+                self._admit(backlog)
             reply: Any = self.redis.xreadgroup(
                 CONSUMER_GROUP,
                 self.consumer,
@@ -145,6 +150,13 @@ class Worker:
             self.backoff.succeeded()
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="reading jobs")
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The group is gone: Redis restarted without persistence, or someone deleted it.
+            log.error("consumer group missing (%s); creating it again", exc)
+            for queue in self.queues:
+                self._create_group(queue)
 
     def control(self) -> None:
         """Apply cancellations read along with the last publish: abort, free, final event."""
@@ -237,9 +249,16 @@ class Worker:
         """Pick up deliveries: start runnable jobs, hold ended ones for publishing, ack dups."""
         if not deliveries:
             return
-        pickup = self.pickup.pick_up(deliveries)
+        try:
+            pickup = self.pickup.pick_up(deliveries)
+        except REDIS_DOWN:
+            self.backlog.extend(deliveries)
+            raise
         for job in pickup.run + pickup.ended:
-            if job.job_id in self.jobs:
+            held = self.jobs.get(job.job_id)
+            if held is not None and held.delivery.entry_id == job.delivery.entry_id:
+                continue  # the same delivery read again (a retried start): already running
+            if held is not None:
                 log.warning(
                     "job %s is already held here; entry %s acked", job.job_id, job.delivery.entry_id
                 )
@@ -319,12 +338,32 @@ class Worker:
         for job in unfinished:
             self.gen.abort(job.job_id)
             job.in_engine = False
-        if self.jobs:
-            try:
+        try:
+            if self.jobs:
                 self.publisher.flush(self.jobs.values())
-            except REDIS_DOWN as exc:
-                log.warning("could not store the last events (%s); they will be regenerated", exc)
+            self._hand_back(unfinished)
+        except REDIS_DOWN as exc:
+            log.warning("could not store the last events (%s); they will be regenerated", exc)
         if unfinished:
             log.info("%d unfinished job(s) left pending for another daemon", len(unfinished))
         self.heartbeat.stop(remove=True)
         self.redis.close()
+
+    def _hand_back(self, jobs: list[Job]) -> None:
+        """Mark handed-back entries claimable at once, and uncount this delivery: a
+        graceful stop is not a crash, so it does not bring a job nearer to poison."""
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xclaim(
+                self.keys.queue(job.delivery.queue),
+                CONSUMER_GROUP,
+                self.consumer,
+                0,
+                [job.delivery.entry_id],
+                idle=self.recovery.min_idle_ms,
+                retrycount=max(0, job.delivery.deliveries - 1),
+                justid=True,
+            )
+        pipe.execute()
