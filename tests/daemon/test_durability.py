@@ -99,8 +99,8 @@ def test_second_daemon_takes_over_only_after_the_heartbeat_expires(
     tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
 ) -> None:
     client = redis_server.client()
-    long_job = {"id": "long", "prompt_token_ids": [7, 8, 9], "max_tokens": 900, "ignore_eos": True}
-    jobs = [long_job, *mixed_jobs(30, prefix="t", seed=3, max_tokens=(40, 160))]
+    long_job = {"id": "long", "prompt_token_ids": [7, 8, 9], "max_tokens": 600, "ignore_eos": True}
+    jobs = [long_job, *mixed_jobs(24, prefix="t", seed=3, max_tokens=(40, 120))]
     expected = reference(jobs)
     config = daemon_config(tmp_path, redis_server.url)
     daemons = {
@@ -141,7 +141,7 @@ def test_sigterm_exits_within_grace_and_restart_completes(
     tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
 ) -> None:
     client = redis_server.client()
-    jobs = mixed_jobs(16, prefix="s", seed=4, max_tokens=(300, 400))
+    jobs = mixed_jobs(16, prefix="s", seed=4, max_tokens=(120, 200))
     expected = reference(jobs)
     config = daemon_config(tmp_path, redis_server.url, grace_period_s=0.5)
     daemon = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d1.log", consumer="w")
@@ -170,7 +170,7 @@ def test_redis_restart_mid_run(
     tmp_path: Path, redis_server_aof: RedisServer, tiny_model: Path, reference: Reference
 ) -> None:
     client = redis_server_aof.client()
-    jobs = mixed_jobs(30, prefix="r", seed=5, max_tokens=(60, 200))
+    jobs = mixed_jobs(20, prefix="r", seed=5, max_tokens=(60, 160))
     expected = reference(jobs)
     config = daemon_config(tmp_path, redis_server_aof.url)
     daemon = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log").wait_serving()
@@ -178,7 +178,7 @@ def test_redis_restart_mid_run(
         _submit(redis_server_aof.url, jobs)
         wait_until(lambda: client.xlen(KEYS.events("r0")) >= 5, what="tokens flowing")
         redis_server_aof.kill()
-        time.sleep(1.0)
+        time.sleep(0.5)
         redis_server_aof.start()
         _check(redis_server_aof, expected)
         assert daemon.proc.poll() is None
