@@ -140,7 +140,7 @@ def run_demo(settings: Settings, *, show_steps: bool, step_ms: float, model_dir:
         run_id = secrets.token_hex(2)
         jobs = [(f"job{i}-{run_id}", p, n) for i, (p, n) in enumerate(JOBS)]
         names = {job_id: job_id.split("-")[0] for job_id, _, _ in jobs}
-        lines = {j: JobLine(names[j], n, len(p)) for j, p, n in jobs}
+        lines = {j: JobLine(names[j], n) for j, _, n in jobs}
         view = LiveView(lines, redraw=sys.stdout.isatty() and not show_steps)
         pacer = _StepPacer(show=show_steps, step_s=step_ms / 1000, names=names)
         print(

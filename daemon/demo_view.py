@@ -22,7 +22,6 @@ TEXT_WIDTH = 48
 class JobLine:
     job_id: str
     max_tokens: int
-    prompt_chars: int
     tokens: int = 0
     text: str = ""
     finish: str | None = None

@@ -10,7 +10,7 @@ Every call happens on the engine thread (MLX streams are thread-local).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from producers.schema import FinishReason, JobRequest
@@ -57,8 +57,6 @@ class Load:
     running: int
     waiting: int
     kv_usage: float
-    capacity: int
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Generator(Protocol):

@@ -24,16 +24,14 @@ class Meter:
         self.started = clock()
         self.steps = 0
         self.tokens = 0
-        self.step_time_s = 0.0
         self.jobs_finished: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
         self._recent: deque[tuple[float, int]] = deque()
 
-    def step(self, view: StepView | None, num_tokens: int, seconds: float) -> None:
+    def step(self, view: StepView | None, num_tokens: int) -> None:
         now = self.clock()
         self.steps += 1
         self.tokens += num_tokens
-        self.step_time_s += seconds
         if view is not None:
             self.batch_sizes[len(view.decodes) + len(view.prefills)] += 1
         self._recent.append((now, num_tokens))

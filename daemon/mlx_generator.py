@@ -107,7 +107,6 @@ class MLXGenerator:
             running=stats.num_running,
             waiting=stats.num_waiting,
             kv_usage=stats.kv_blocks_used / total,
-            capacity=self.engine.capacity(),
         )
 
     def last_step(self) -> StepView:

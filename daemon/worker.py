@@ -175,10 +175,9 @@ class Worker:
             if self.backoff.down:
                 time.sleep(min(self.backoff.delay(), 0.1))
             return
-        started = time.perf_counter()
         outputs = self.gen.step()
         view = self.gen.last_step()
-        self.meter.step(view, len(outputs), time.perf_counter() - started)
+        self.meter.step(view, len(outputs))
         crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
         for out in outputs:
             job = self.jobs[out.job_id]
@@ -301,6 +300,7 @@ class Worker:
             "kv_usage": round(load.kv_usage, 4),
             "jobs_held": len(self.jobs),
             "tokens_per_s": round(self.meter.tokens_per_s(), 1),
+            "jobs_done": dict(self.meter.jobs_finished),
             "redis_down": self.backoff.down,
             "stopping": self.stopping,
         }

@@ -139,7 +139,6 @@ class FakeGenerator(Generator):
             running=len(self.running),
             waiting=len(self.waiting),
             kv_usage=0.0,
-            capacity=self.max_running,
         )
 
     def last_step(self) -> StepView | None:
