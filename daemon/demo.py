@@ -168,6 +168,8 @@ def run_demo(settings: Settings, *, show_steps: bool, step_ms: float, model_dir:
         elapsed = time.monotonic() - started
         worker.request_stop()
         engine_thread.join(10)
+        keys = client.keys
+        client.redis.delete(keys.queue("demo"), keys.cancel, keys.dead)
         client.close()
         print(
             summary(

@@ -43,22 +43,6 @@ end
 return out
 """
 
-# KEYS[1] queue stream; ARGV: group, consumer, heartbeat key prefix, min idle ms.
-# Deletes consumers with nothing pending and no heartbeat (host:pid names pile up otherwise).
-_FORGET = """
-local gone = 0
-for _, info in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
-  local c = {}
-  for i = 1, #info, 2 do c[info[i]] = info[i + 1] end
-  if c['name'] ~= ARGV[2] and c['pending'] == 0 and c['idle'] > tonumber(ARGV[4])
-     and redis.call('EXISTS', ARGV[3] .. c['name']) == 0 then
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], c['name'])
-    gone = gone + 1
-  end
-end
-return gone
-"""
-
 
 class Recovery:
     """Own pending entries at start, and claims from consumers whose heartbeat expired."""
@@ -71,7 +55,6 @@ class Recovery:
         self.consumer = consumer
         self.min_idle_ms = int(heartbeat_ttl_s * 1000)
         self._claim = client.register_script(_CLAIM)
-        self._forget = client.register_script(_FORGET)
 
     def own_pending(self, queue: str) -> list[Delivery]:
         """Entries this consumer name already holds (a restart under a stable name)."""
@@ -128,10 +111,3 @@ class Recovery:
                 owner.decode(),
             )
         return out
-
-    def forget_dead_consumers(self, queue: str) -> int:
-        gone: int = self._forget(
-            keys=[self.keys.queue(queue)],
-            args=[CONSUMER_GROUP, self.consumer, self.keys.daemon(""), self.min_idle_ms],
-        )
-        return gone

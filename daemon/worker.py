@@ -25,6 +25,7 @@ from daemon import crashpoint
 from daemon.control import Cancellations
 from daemon.generator import Generator, JobRejected, StepView, TokenOut
 from daemon.heartbeat import Heartbeat
+from daemon.housekeeping import Housekeeping
 from daemon.jobs import Delivery, Job
 from daemon.metrics import Meter
 from daemon.pickup import Pickup, PickupPolicy
@@ -69,6 +70,9 @@ class Worker:
             encode=generator.encode,
         )
         self.recovery = Recovery(
+            self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
+        )
+        self.housekeeping = Housekeeping(
             self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
         )
         self.cancels = Cancellations(self.keys)
@@ -213,7 +217,7 @@ class Worker:
             crashpoint.reached("between_steps")
 
     def periodic(self) -> None:
-        """Claims of dead daemons' jobs, and heartbeat figures, each at its own pace."""
+        """Claims of dead daemons' jobs and housekeeping, and heartbeat figures."""
         now = time.monotonic()
         self.heartbeat.update(**self._figures())
         opts = self.settings.daemon
@@ -225,7 +229,7 @@ class Worker:
         try:
             for queue in self.queues:
                 self._admit(self.recovery.claim(queue, limit=self._room()))
-                self.recovery.forget_dead_consumers(queue)
+                self.housekeeping.run(queue)
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="claiming jobs of dead daemons")
         except redis.ResponseError as exc:

@@ -50,6 +50,11 @@ def test_jobs_complete_with_every_seq_once(redis_server: RedisServer) -> None:
                 {"id": job_id, "prompt": prompt, "max_tokens": max_tokens, "seed": seed},
             )
         done = wait_final(client, KEYS, list(jobs), timeout=20)
+        wait_until(lambda: client.xlen(KEYS.queue()) == 0, what="acked entries trimmed")
+        heartbeat = orjson.loads(client.get(KEYS.daemon("test-worker")) or b"{}")
+    assert {"model", "queues", "running", "waiting", "kv_usage", "tokens_per_s"} <= set(heartbeat)
+    assert {"pid", "host", "started_at"} <= set(heartbeat)
+    assert client.get(KEYS.daemon("test-worker")) is None  # removed on a clean stop
     for job_id, (prompt, max_tokens, seed) in jobs.items():
         events = done[job_id]
         assert token_ids(events) == expected_fake_tokens(_prompt_ids(prompt), seed, max_tokens)
