@@ -1,0 +1,87 @@
+"""Engine limits and policies: the documented options of the scheduler and KV pool.
+
+`config.settings.EngineSettings` carries the same fields for the daemon (from
+TOML / environment); this dataclass is what the engine itself takes, so the
+engine never depends on the settings machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Options of one engine (all keyword-only). Raises ValueError naming the field."""
+
+    max_num_seqs: int = 32
+    """Most sequences running at once (the decode batch). Must be <= max_num_batched_tokens,
+    so every running sequence can decode in every step."""
+
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: one token per decode first, prefill chunks fill the rest."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (the paging and prefix-cache granularity)."""
+
+    num_kv_blocks: int | None = None
+    """KV pool size in blocks; None: the model runner sizes it from available memory."""
+
+    kv_memory_fraction: float = 0.5
+    """Share of available memory the KV pool may take when the runner sizes it."""
+
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks across steps so running decodes never stall. When off,
+    a prompt is prefilled whole in one step, so a prompt longer than max_num_batched_tokens
+    is rejected when added (a preempted sequence's recompute may still be chunked)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of identical prompt prefixes (hash chain over full blocks)."""
+
+    enable_preemption: bool = True
+    """When blocks run out, preempt the lowest-priority, most recently admitted running
+    sequence (its KV is recomputed later). When off, a sequence is admitted only if the
+    pool can hold the worst case (prompt + max_tokens) of every running sequence, so
+    fewer run at once but none ever has to give its blocks back."""
+
+    aging_rate: float = 0.1
+    """Priority points a waiting request gains per second since it arrived (no starvation)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + max_tokens accepted; None: the model's own context length."""
+
+    dtype: str | None = None
+    """Compute dtype override (float32, float16, bfloat16); None keeps the model's."""
+
+    def __post_init__(self) -> None:
+        _require("max_num_seqs", self.max_num_seqs, _positive_int(self.max_num_seqs), ">= 1")
+        budget = self.max_num_batched_tokens
+        _require("max_num_batched_tokens", budget, _positive_int(budget), ">= 1")
+        _require(
+            "max_num_batched_tokens",
+            budget,
+            budget >= self.max_num_seqs,
+            f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode",
+        )
+        _require("block_size", self.block_size, _positive_int(self.block_size), ">= 1")
+        blocks = self.num_kv_blocks
+        _require("num_kv_blocks", blocks, blocks is None or _positive_int(blocks), "None or >= 1")
+        fraction = self.kv_memory_fraction
+        _require("kv_memory_fraction", fraction, 0 < fraction <= 1, "in (0, 1]")
+        _require("aging_rate", self.aging_rate, self.aging_rate >= 0, ">= 0")
+        length = self.max_model_len
+        _require("max_model_len", length, length is None or _positive_int(length), "None or >= 1")
+        _require(
+            "dtype", self.dtype, self.dtype is None or self.dtype in DTYPES, f"one of {DTYPES}"
+        )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _require(field: str, value: object, ok: bool, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field} must be {rule}, got {value!r}")

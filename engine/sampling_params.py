@@ -1,0 +1,85 @@
+"""Per-request sampling options, validated once when the request is made.
+
+The engine never re-checks these: a `SamplingParams` that exists is valid, so
+a bad job fails at intake with a message that names the field and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+# field -> (test, what a valid value is); NaN fails every comparison, so it is refused.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an int >= 0 (0: off)"),
+    "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "seed": (lambda v: v is None or _is_int(v), "an int or None"),
+    "stop": (
+        lambda v: isinstance(v, (tuple, list)) and all(isinstance(s, str) and s for s in v),
+        "a tuple of non-empty strings",
+    ),
+    "stop_token_ids": (
+        lambda v: isinstance(v, (tuple, list)) and all(_is_int(t) and t >= 0 for t in v),
+        "a tuple of token ids (ints >= 0)",
+    ),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "logprobs": (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an int in 0..{MAX_LOGPROBS}"),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 means greedy (argmax); top_k 0, top_p 1 and min_p 0 mean "no
+    filter". `seed` makes sampling a pure function of (seed, position), so a
+    token regenerated after a crash is the same token. `stop` holds strings
+    that end the output; `stop_token_ids` are extra token ids that end it.
+    `logprobs` is how many top log-probabilities to return per token (0: none).
+    Lists given for `stop` / `stop_token_ids` are stored as tuples.
+
+    Raises ValueError naming the field and the bad value.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        for field, (valid, rule) in _RULES.items():
+            value = getattr(self, field)
+            if not valid(value):
+                raise ValueError(f"SamplingParams.{field} must be {rule}, got {value!r}")
+        # Frozen dataclass: normalise through object.__setattr__ so the params
+        # stay immutable and hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is plain argmax (temperature 0)."""
+        return self.temperature == 0.0
