@@ -97,7 +97,12 @@ class PickupPolicy:
                 out.ended.append(job)
                 return
         status = _status(job.job_id, raw_status)
-        events = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in raw_events]
+        try:
+            events = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in raw_events]
+        except (ValueError, KeyError) as exc:
+            job.reject(f"events stream unreadable: {exc}")
+            out.ended.append(job)
+            return
         stored_entry = raw_status.get(b"entry")
         if stored_entry is not None and stored_entry.decode() != job.delivery.entry_id:
             log.warning(
@@ -116,13 +121,19 @@ class PickupPolicy:
             log.info("job %s is already %s; acked, not run", job.job_id, status.state.value)
             out.acks.append(job.delivery)
             return
-        job.resume_from(events)
+        try:
+            job.resume_from(events)
+        except ValueError as exc:
+            job.reject(str(exc))
+            out.ended.append(job)
+            return
         self._start_timings(job, status)
         if self._ended_early(job, status, started=bool(events)):
             out.ended.append(job)
             return
+        assert job.request is not None
         try:
-            job.prompt_token_ids = self.encode(job.job_id, job.request)  # type: ignore[arg-type]
+            job.prompt_token_ids = self.encode(job.job_id, job.request)
         except JobRejected as exc:
             job.reject(exc.reason)
             out.ended.append(job)
