@@ -64,6 +64,8 @@ def test_settings_and_machine_are_recorded(bench_run: BenchRun) -> None:
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["mlx"] and machine["blas"]
     assert report["limit"]["matmul_gflops"] > 0
+    for name in ("mixed", "shared-prefix"):
+        assert report["workloads"][name]["limit"]["matmul_gflops"] > 0
     assert report["limit"]["mflop_per_output_token"] > report["limit"]["mflop_per_prompt_token"]
 
 
@@ -98,13 +100,14 @@ def test_online_compares_latency_at_the_same_arrivals(bench_run: BenchRun) -> No
     assert set(online["ratios"]) == {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"}
 
 
-def test_queue_reports_a_ratio_or_says_why_not(bench_run: BenchRun) -> None:
+def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> None:
     queue = bench_run.report["workloads"]["queue"]
-    if queue["available"]:
-        assert queue["ratio"] > 0
-        assert queue["queue"]["output_tokens"] == queue["in_process"]["output_tokens"] > 0
-    else:
-        assert queue["reason"].startswith("not available: ")
+    assert queue["available"], queue.get("reason")
+    assert queue["ratio"] > 0 and queue["reference_tok_s"] > 0
+    for key in ("queue", "in_process", "in_process_after"):
+        assert queue[key]["finished"] == queue["requests"], key
+    tokens = {queue[k]["output_tokens"] for k in ("queue", "in_process", "in_process_after")}
+    assert len(tokens) == 1 and tokens.pop() > 0
 
 
 def test_files_and_headline(bench_run: BenchRun) -> None:

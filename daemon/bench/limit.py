@@ -91,6 +91,7 @@ def limit_summary(flops: ModelFlops, workload: Workload, gflops: float) -> dict[
     work = flops.workload_flops(workload)
     seconds = work / (gflops * 1e9)
     return {
+        "matmul_gflops": round(gflops, 1),
         "workload_gflop": round(work / 1e9, 2),
         "min_seconds": round(seconds, 3),
         "limit_tok_s": round(workload.output_tokens / seconds, 1),

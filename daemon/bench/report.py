@@ -88,7 +88,8 @@ def _queue_line(q: dict[str, Any]) -> str:
         return f"Queue: {q['reason']}."
     return (
         f"Queue: {q['queue']['tok_s']:.1f} tok/s through Redis vs "
-        f"{q['in_process']['tok_s']:.1f} in-process: {q['ratio']:.2f}x."
+        f"{q['reference_tok_s']:.1f} in-process (mean of {q['in_process']['tok_s']:.1f} before "
+        f"and {q['in_process_after']['tok_s']:.1f} after): {q['ratio']:.2f}x."
     )
 
 

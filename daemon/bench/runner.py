@@ -117,7 +117,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     for name in ("mixed", "shared-prefix"):
         if name in options.workloads:
             results[name] = offline_workload(
-                systems, workloads[name], flops=flops, gflops=gflops, scale=options.scale
+                systems, workloads[name], flops=flops, scale=options.scale
             )
     if "online" in options.workloads:
         results["online"] = online_workload(systems, workloads["mixed"], options, results)
@@ -130,10 +130,14 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
 
 
 def offline_workload(
-    systems: Systems, workload: Workload, *, flops: ModelFlops, gflops: float, scale: Scale
+    systems: Systems, workload: Workload, *, flops: ModelFlops, scale: Scale
 ) -> dict[str, Any]:
-    """Every system on ``workload`` (sequential on a subset); throughput ratios and MFU."""
-    limit = limit_summary(flops, workload, gflops)
+    """Every system on ``workload`` (sequential on a subset); throughput ratios and MFU.
+
+    The matmul rate is measured again right before the workload, so the limit
+    reflects the machine's load at the time the systems run.
+    """
+    limit = limit_summary(flops, workload, matmul_gflops(size=scale.matmul_size))
     result: dict[str, Any] = {
         "requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens,
