@@ -104,6 +104,7 @@ def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> 
     queue = bench_run.report["workloads"]["queue"]
     assert queue["available"], queue.get("reason")
     assert queue["ratio"] > 0 and queue["reference_tok_s"] > 0
+    assert queue["queue"]["subscriber_cpu_s"] >= 0
     for key in ("queue", "in_process", "in_process_after"):
         assert queue[key]["finished"] == queue["requests"], key
     tokens = {queue[k]["output_tokens"] for k in ("queue", "in_process", "in_process_after")}

@@ -69,11 +69,12 @@ def run_queue(
         progress.say(f"queue: {reason}")
         return {"available": False, "reason": reason}
     try:
-        through_queue = _run_through_daemon(systems, workload, redis_url, progress)
+        through_queue, subscriber_cpu = _run_through_daemon(systems, workload, redis_url, progress)
     except QueueUnavailable as exc:
         progress.say(f"queue: {exc}")
         return {"available": False, "reason": str(exc)}
     ours = through_queue.summary()
+    ours["subscriber_cpu_s"] = round(subscriber_cpu, 3)
     first, second = before.summary(), systems.offline(BATCHD, workload).summary()
     reference = (first["tok_s"] + second["tok_s"]) / 2
     return {
@@ -116,7 +117,8 @@ def _daemon_env(
 
 def _run_through_daemon(
     systems: Systems, workload: Workload, redis_url: str, progress: Progress
-) -> RunStats:
+) -> tuple[RunStats, float]:
+    """The workload through a fresh daemon; its stats and the client's CPU seconds."""
     prefix = f"batchd-bench-{os.getpid()}"
     env = _daemon_env(systems, workload, redis_url, prefix)
     command = [sys.executable, "-m", "daemon.cli", "serve"]
@@ -135,13 +137,16 @@ def _run_through_daemon(
             _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
             progress.phase(f"{workload.name} / batchd through Redis")
             recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
+            cpu = time.process_time()
             stats = _submit_and_follow(client, workload, recorder)
+            # The submitting and following client shares the machine with the daemon.
+            cpu = time.process_time() - cpu
             client.close()
         finally:
             _stop(daemon)
             _delete_prefix(conn, prefix)
             conn.close()
-    return stats
+    return stats, cpu
 
 
 def _wait_ready(conn: redis.Redis, prefix: str, daemon: subprocess.Popen[bytes], log: Path) -> None:

@@ -89,7 +89,9 @@ def _queue_line(q: dict[str, Any]) -> str:
     return (
         f"Queue: {q['queue']['tok_s']:.1f} tok/s through Redis vs "
         f"{q['reference_tok_s']:.1f} in-process (mean of {q['in_process']['tok_s']:.1f} before "
-        f"and {q['in_process_after']['tok_s']:.1f} after): {q['ratio']:.2f}x."
+        f"and {q['in_process_after']['tok_s']:.1f} after): {q['ratio']:.2f}x. The client "
+        f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of the "
+        f"{q['queue']['wall_s']:.1f} s run."
     )
 
 
