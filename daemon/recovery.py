@@ -7,6 +7,8 @@ every ``heartbeat_interval_s``, a dead one's expires after ``heartbeat_ttl_s``.
 Claimed entries are then picked up like new ones: their events streams say
 where each job stopped. A restarted daemon with a configured (stable)
 consumer name first reads its own pending entries back (XREADGROUP from 0).
+Dead consumers left with nothing pending are removed from the group (names
+are host:pid by default, so every restart leaves one behind).
 """
 
 from __future__ import annotations
@@ -24,17 +26,26 @@ log = logging.getLogger(__name__)
 # How many pending entries one claim pass looks at (live daemons' entries included).
 SCAN = 1000
 
-# KEYS[1] queue stream; ARGV: group, consumer, min idle ms, heartbeat key prefix, most to claim.
+# Every script gets ARGV: heartbeat key prefix, group, this consumer, min idle ms, then
+# its own. One rule says who is dead, so claiming and forgetting never disagree: the
+# heartbeat key is gone (expired, or deleted at a graceful stop).
+_DEAD = """
+local function dead(name) return redis.call('EXISTS', ARGV[1] .. name) == 0 end
+"""
+
+# KEYS[1] queue stream; ARGV[5] most to claim, ARGV[6] how many pending entries to scan.
 # Returns {entry id, delivery count, previous owner, {field, value, ...}} per claimed entry.
-_CLAIM = """
+_CLAIM = (
+    _DEAD
+    + """
 local out = {}
 local want = tonumber(ARGV[5])
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[6])
+local pending = redis.call('XPENDING', KEYS[1], ARGV[2], 'IDLE', ARGV[4], '-', '+', ARGV[6])
 for _, entry in ipairs(pending) do
   if #out >= want then break end
   local owner = entry[2]
-  if owner ~= ARGV[2] and redis.call('EXISTS', ARGV[4] .. owner) == 0 then
-    local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], entry[1])
+  if owner ~= ARGV[3] and dead(owner) then
+    local claimed = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[4], entry[1])
     if #claimed > 0 then
       table.insert(out, {entry[1], entry[4] + 1, owner, claimed[1][2]})
     end
@@ -42,10 +53,30 @@ for _, entry in ipairs(pending) do
 end
 return out
 """
+)
+
+# KEYS[1] queue stream. Returns how many consumers were removed.
+_FORGET = (
+    _DEAD
+    + """
+local gone = 0
+for _, info in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[2])) do
+  local c = {}
+  for i = 1, #info, 2 do c[info[i]] = info[i + 1] end
+  if c['name'] ~= ARGV[3] and c['pending'] == 0 and c['idle'] > tonumber(ARGV[4])
+     and dead(c['name']) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[2], c['name'])
+    gone = gone + 1
+  end
+end
+return gone
+"""
+)
 
 
 class Recovery:
-    """Own pending entries at start, and claims from consumers whose heartbeat expired."""
+    """Own pending entries at start, claims from consumers whose heartbeat expired,
+    and forgetting those consumers once they hold nothing."""
 
     def __init__(
         self, client: redis.Redis, keys: Keys, *, consumer: str, heartbeat_ttl_s: float
@@ -53,8 +84,10 @@ class Recovery:
         self.redis = client
         self.keys = keys
         self.consumer = consumer
+        # Besides the heartbeat check: nothing idle for less than a heartbeat TTL is touched.
         self.min_idle_ms = int(heartbeat_ttl_s * 1000)
         self._claim = client.register_script(_CLAIM)
+        self._forget = client.register_script(_FORGET)
 
     def own_pending(self, queue: str) -> list[Delivery]:
         """Entries this consumer name already holds (a restart under a stable name)."""
@@ -89,17 +122,7 @@ class Recovery:
         """Up to ``limit`` entries of dead consumers on ``queue``, now owned by this one."""
         if limit <= 0:
             return []
-        rows = self._claim(
-            keys=[self.keys.queue(queue)],
-            args=[
-                CONSUMER_GROUP,
-                self.consumer,
-                self.min_idle_ms,
-                self.keys.daemon(""),
-                limit,
-                SCAN,
-            ],
-        )
+        rows = self._claim(keys=[self.keys.queue(queue)], args=self._args(limit, SCAN))
         out = []
         for entry_id, deliveries, owner, flat in rows:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
@@ -111,3 +134,11 @@ class Recovery:
                 owner.decode(),
             )
         return out
+
+    def forget_dead(self, queue: str) -> int:
+        """Remove dead consumers with nothing pending from ``queue``'s group; returns how many."""
+        gone: int = self._forget(keys=[self.keys.queue(queue)], args=self._args())
+        return gone
+
+    def _args(self, *extra: int) -> list[str | int]:
+        return [self.keys.daemon(""), CONSUMER_GROUP, self.consumer, self.min_idle_ms, *extra]

@@ -25,7 +25,7 @@ from daemon import crashpoint
 from daemon.control import Cancellations
 from daemon.generator import Generator, JobRejected, StepView, TokenOut
 from daemon.heartbeat import Heartbeat
-from daemon.housekeeping import Housekeeping
+from daemon.housekeeping import trim_acked
 from daemon.jobs import Delivery, Job
 from daemon.metrics import Meter
 from daemon.pickup import Pickup, PickupPolicy
@@ -70,9 +70,6 @@ class Worker:
             encode=generator.encode,
         )
         self.recovery = Recovery(
-            self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
-        )
-        self.housekeeping = Housekeeping(
             self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
         )
         self.cancels = Cancellations(self.keys)
@@ -229,7 +226,8 @@ class Worker:
         try:
             for queue in self.queues:
                 self._admit(self.recovery.claim(queue, limit=self._room()))
-                self.housekeeping.run(queue)
+                trim_acked(self.redis, self.keys.queue(queue))
+                self.recovery.forget_dead(queue)
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="claiming jobs of dead daemons")
         except redis.ResponseError as exc:
