@@ -9,16 +9,15 @@ daemons' jobs (irrelevant to a one-daemon demo).
 from __future__ import annotations
 
 import logging
-import shutil
-import socket
-import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
+
+from daemon.redis_server import RedisServer, free_port
 
 log = logging.getLogger(__name__)
 
@@ -40,36 +39,20 @@ def _answers(url: str) -> bool:
         client.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _private_redis_server(binary: str) -> DemoRedis | None:
+def _private_redis_server() -> DemoRedis | None:
     workdir = tempfile.TemporaryDirectory(prefix="batchd-demo-redis-")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir.name]
-        + ["--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    try:
+        server = RedisServer(Path(workdir.name)).start(timeout_s=5.0)
+    except RuntimeError as exc:
+        log.info("no private redis-server: %s", exc)
+        workdir.cleanup()
+        return None
 
     def stop() -> None:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
         workdir.cleanup()
 
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and proc.poll() is None:
-        if _answers(url):
-            return DemoRedis(url, "private redis-server", stop)
-        time.sleep(0.05)
-    stop()
-    return None
+    return DemoRedis(server.url, "private redis-server", stop)
 
 
 def _fakeredis_server() -> DemoRedis | None:
@@ -77,7 +60,7 @@ def _fakeredis_server() -> DemoRedis | None:
         from fakeredis import TcpFakeServer
     except ImportError:
         return None
-    port = _free_port()
+    port = free_port()
     server = TcpFakeServer(("127.0.0.1", port))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -93,9 +76,7 @@ def find_redis(configured: str) -> DemoRedis:
     """A reachable Redis for the demo; raises RuntimeError when there is none."""
     if _answers(configured):
         return DemoRedis(configured, "configured", lambda: None)
-    binary = shutil.which("redis-server")
-    found = _private_redis_server(binary) if binary else None
-    found = found or _fakeredis_server()
+    found = _private_redis_server() or _fakeredis_server()
     if found is None:
         raise RuntimeError(
             f"no Redis at {configured}, no redis-server on PATH and no fakeredis: "
