@@ -1,4 +1,4 @@
-"""Producer subcommands of ``batchd``: submit, stream, status, cancel, schema, bulk.
+"""Producer subcommands of ``batchd``: submit, stream, status, cancel, schema, bulk, top.
 
 Exit codes: 0 done; 1 the job failed, was cancelled or expired, or is
 unknown; 2 the request is invalid; 3 Redis is unreachable; 4 timed out.
@@ -21,6 +21,7 @@ from producers.client import Client
 from producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
 from producers.result import ResultBuilder
 from producers.schema import Event, protocol_schema_json
+from producers.top import register_top
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 
@@ -60,6 +61,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("schema", help="print the wire protocol as JSON Schema")
     p.set_defaults(func=schema)
     register_bulk(sub)
+    register_top(sub)
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,288 @@
+"""``batchd top``: a live view of the fleet, read from Redis alone.
+
+Daemons are found by their heartbeat keys (``<prefix>:daemon:<consumer>``,
+JSON written by ``daemon.heartbeat``: model, queues, running, waiting, KV
+usage, tokens/s, ...); queues by their streams plus every queue a daemon
+names. Keys are found with SCAN, never KEYS, so a large keyspace is walked
+in small steps instead of blocking Redis. Read-only: top never changes a key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+import redis
+
+from config import Settings
+from producers.keys import CONSUMER_GROUP, Keys
+
+# Keys asked for per SCAN call: small steps keep each call short on a busy Redis.
+SCAN_COUNT = 500
+# ANSI: cursor home, clear screen (live view on a terminal only).
+CLEAR = "\x1b[H\x1b[2J"
+
+
+@dataclass(frozen=True)
+class DaemonView:
+    """One live daemon: its heartbeat JSON as written, and how old that beat is."""
+
+    consumer: str
+    heartbeat: dict[str, Any]
+    age_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.heartbeat, "consumer": self.consumer, "age_s": round(self.age_s, 3)}
+
+
+@dataclass(frozen=True)
+class ConsumerView:
+    """A consumer of a queue's group; ``alive`` when its heartbeat key exists."""
+
+    name: str
+    pending: int
+    idle_ms: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """A queue stream: entries held, entries delivered but not acked (``pending``, the
+    XPENDING count), and entries no consumer has read yet (``unread``: the group's lag,
+    None before Redis 7 or when Redis cannot tell)."""
+
+    name: str
+    length: int
+    pending: int
+    unread: int | None
+    consumers: list[ConsumerView]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at: float
+    daemons: list[DaemonView]
+    queues: list[QueueView]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "daemons": [d.to_dict() for d in self.daemons],
+            "queues": [asdict(q) for q in self.queues],
+        }
+
+
+def take_snapshot(
+    client: redis.Redis, keys: Keys, *, clock: Callable[[], float] = time.time
+) -> Snapshot:
+    """Daemons and queues as Redis holds them now (two SCANs, two pipelines)."""
+    daemons = _daemons(client, keys, now=clock())
+    named = {str(q) for d in daemons for q in d.heartbeat.get("queues") or []}
+    names = sorted(named | set(_queue_names(client, keys)))
+    alive = {d.consumer for d in daemons}
+    return Snapshot(clock(), daemons, _queues(client, keys, names, alive=alive))
+
+
+def _daemons(client: redis.Redis, keys: Keys, *, now: float) -> list[DaemonView]:
+    found = sorted(client.scan_iter(match=keys.daemon_pattern, count=SCAN_COUNT))
+    with client.pipeline(transaction=False) as pipe:
+        for key in found:
+            pipe.get(key)
+        values = pipe.execute()
+    prefix = keys.daemon("")
+    out = []
+    for key, value in zip(found, values, strict=True):
+        beat = _json_object(value)
+        if beat is None:  # expired since the SCAN, or not a heartbeat
+            continue
+        at = beat.get("at")
+        age = now - at if isinstance(at, (int, float)) else float("nan")
+        out.append(DaemonView(key.decode().removeprefix(prefix), beat, age))
+    return out
+
+
+def _json_object(value: bytes | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _queue_names(client: redis.Redis, keys: Keys) -> list[str]:
+    prefix = keys.queue("")
+    found = client.scan_iter(match=keys.queue("*"), count=SCAN_COUNT, _type="STREAM")
+    return [key.decode().removeprefix(prefix) for key in found]
+
+
+def _queues(
+    client: redis.Redis, keys: Keys, names: Sequence[str], *, alive: set[str]
+) -> list[QueueView]:
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            stream = keys.queue(name)
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+            pipe.xinfo_consumers(stream, CONSUMER_GROUP)
+        # A queue without its group (or without a stream) answers errors: shown empty.
+        replies = pipe.execute(raise_on_error=False)
+    out = []
+    for i, name in enumerate(names):
+        length, groups, consumers = replies[3 * i : 3 * i + 3]
+        group = _our_group(groups)
+        out.append(
+            QueueView(
+                name=name,
+                length=length if isinstance(length, int) else 0,
+                pending=int(group["pending"]) if group else 0,
+                unread=_int_or_none(group.get("lag")) if group else None,
+                consumers=_consumers(consumers, alive=alive),
+            )
+        )
+    return out
+
+
+def _our_group(groups: Any) -> dict[str, Any] | None:
+    if isinstance(groups, Exception):
+        return None
+    return next((g for g in groups if g["name"] == CONSUMER_GROUP.encode()), None)
+
+
+def _consumers(reply: Any, *, alive: set[str]) -> list[ConsumerView]:
+    if isinstance(reply, Exception):
+        return []
+    out = []
+    for info in reply:
+        name = info["name"].decode()
+        out.append(ConsumerView(name, int(info["pending"]), int(info["idle"]), name in alive))
+    return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+# -- text view ---------------------------------------------------------------------------------
+
+DAEMON_HEAD = ("DAEMON", "MODEL", "QUEUES", "STATE", "RUN", "WAIT", "KV", "TOK/S", "HELD", "BEAT")
+QUEUE_HEAD = ("QUEUE", "LENGTH", "UNREAD", "PENDING", "CONSUMERS")
+
+
+def render(snapshot: Snapshot) -> str:
+    """The snapshot as two aligned tables, daemons then queues."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(snapshot.at))
+    lines = [f"batchd top  {stamp}  {len(snapshot.daemons)} daemon(s)", ""]
+    daemon_rows = [_daemon_row(d) for d in snapshot.daemons]
+    lines += _table(DAEMON_HEAD, daemon_rows) if daemon_rows else ["no live daemon"]
+    lines.append("")
+    queue_rows = [_queue_row(q) for q in snapshot.queues]
+    lines += _table(QUEUE_HEAD, queue_rows) if queue_rows else ["no queue"]
+    return "\n".join(lines) + "\n"
+
+
+def _daemon_row(d: DaemonView) -> list[object]:
+    beat = d.heartbeat
+    kv = beat.get("kv_usage")
+    state = "stopping" if beat.get("stopping") else "redis down" if beat.get("redis_down") else "up"
+    return [
+        d.consumer,
+        beat.get("model") or "-",
+        ",".join(str(q) for q in beat.get("queues") or []) or "-",
+        state,
+        beat.get("running", "-"),
+        beat.get("waiting", "-"),
+        f"{kv:.0%}" if isinstance(kv, (int, float)) else "-",
+        beat.get("tokens_per_s", "-"),
+        beat.get("jobs_held", "-"),
+        f"{d.age_s:.1f}s ago",
+    ]
+
+
+def _queue_row(q: QueueView) -> list[object]:
+    consumers = ", ".join(
+        f"{c.name} ({c.pending} pending{'' if c.alive else ', no heartbeat'})" for c in q.consumers
+    )
+    unread = "-" if q.unread is None else q.unread
+    return [q.name, q.length, unread, q.pending, consumers or "-"]
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
+    cells = [list(head)] + [[str(v) for v in row] for row in rows]
+    numeric = [all(_is_number(row[i]) for row in rows) for i in range(len(head))]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return [
+        "  ".join(
+            cell.rjust(width) if right else cell.ljust(width)
+            for cell, width, right in zip(row, widths, numeric, strict=True)
+        ).rstrip()
+        for row in cells
+    ]
+
+
+def _json_line(snapshot: Snapshot) -> str:
+    return orjson.dumps(snapshot.to_dict()).decode() + "\n"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) or value == "-"
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def register_top(sub: Any) -> None:
+    p = sub.add_parser(
+        "top",
+        help="live view of daemons and queues",
+        description="Show every live daemon (from its heartbeat: model, queues, running and "
+        "waiting jobs, KV usage, tokens/s) and every queue (length, unread, pending, "
+        "consumers), refreshed every --interval seconds until Ctrl-C.",
+    )
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="print JSON (one line per snapshot)")
+    p.add_argument(
+        "--interval", type=_positive, default=1.0, metavar="SECONDS", help="refresh period"
+    )
+    p.set_defaults(func=top)
+
+
+def top(args: argparse.Namespace, settings: Settings) -> int:
+    """Print snapshots until Ctrl-C (or one with --once); exit 3 if Redis is unreachable
+    with --once, else keep retrying each interval."""
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    keys = Keys(settings.key_prefix)
+    clear = not args.json and not args.once and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                snapshot = take_snapshot(client, keys)
+                text = _json_line(snapshot) if args.json else render(snapshot)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                print(f"batchd: cannot reach Redis: {exc}", file=sys.stderr)
+                if args.once:
+                    return 3
+                text = ""
+            sys.stdout.write((CLEAR if clear else "") + text)
+            sys.stdout.flush()
+            if args.once:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
