@@ -71,11 +71,15 @@ class Publisher:
         self.result_ttl_s = result_ttl_s
 
     def flush(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> FlushResult:
+        """Send every outbox of ``jobs`` and the ``extras`` in one round trip; outboxes
+        Redis confirmed are cleared, the others are sent again by the next flush."""
         pending = [job for job in jobs if job.unpublished or job.status or job.ended]
         result = FlushResult()
         if not pending and not extras:
             return result
         phases = self._phases(pending)
+        # Crash tests kill the daemon between two phases of a finish: only then is the
+        # pipeline sent phase by phase.
         split = any(job.ended for job in pending) and (
             crashpoint.armed("after_final_event") or crashpoint.armed("after_status")
         )
@@ -123,10 +127,9 @@ class Publisher:
         return [("after_final_event", events), ("after_status", status), ("finished", finish)]
 
     def _queue_finish(self, pipe: Pipeline, plan: _Plan, job: Job) -> None:
-        pipe.expire(self.keys.events(job.job_id), self.result_ttl_s)
-        pipe.expire(self.keys.job(job.job_id), self.result_ttl_s)
-        plan.add(job)
-        plan.add(job)
+        for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
+            pipe.expire(key, self.result_ttl_s)
+            plan.add(job)
         if job.dead_letter:
             pipe.xadd(
                 self.keys.dead,
@@ -148,6 +151,7 @@ class Publisher:
         duplicates: dict[str, list[Event]] = {}
         for (job, event), reply in zip(plan.owners, replies, strict=True):
             if isinstance(reply, redis.ResponseError):
+                # XADD's refusal of an id not above the stream's last one (see module doc).
                 if event is not None and "equal or smaller" in str(reply):
                     duplicates.setdefault(job.job_id, []).append(event)
                 else:

@@ -85,6 +85,7 @@ class Worker:
         self.stopping = False
         self.deadline = float("inf")
         self.next_claim = 0.0
+        # The last claim failure logged: a failure that repeats every interval is logged once.
         self.claim_error: str | None = None
         # Deliveries read (pending for us) whose pickup Redis interrupted: retried first.
         self.backlog: list[Delivery] = []
@@ -173,6 +174,7 @@ class Worker:
     def step(self) -> None:
         """One engine step; its tokens go to the jobs' outboxes."""
         if not self.gen.has_work():
+            # Intake does not block while Redis is away: without this the loop would spin.
             if self.backoff.down:
                 time.sleep(min(self.backoff.delay(), 0.1))
             return

@@ -34,7 +34,7 @@ from producers.client import Client, follow
 from producers.errors import BulkBusy, JobFailed, ValidationError
 from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from producers.result import ResultBuilder
-from producers.schema import JobRequest, validate_job
+from producers.schema import Event, JobRequest, validate_job
 
 RQ_QUEUE = "batchd-bulk"
 PROGRESS_EVERY_S = 0.5
@@ -158,50 +158,80 @@ def run_bulk(
     with ResultFile(Path(output_path)) as out:
         progress = Progress(total, len(out.done), rq_job)
         todo = ((n, line) for n, line in input_lines(source) if n not in out.done)
-        follower = client.follower()
-        pending: dict[str, tuple[int, ResultBuilder]] = {}
-
-        def fill() -> None:
-            while follower.active < window:
-                item = next(todo, None)
-                if item is None:
-                    return
-                line_no, line = item
-                try:
-                    job = parse_line(
-                        line, input_path=source, line_no=line_no, limits=limit_settings
-                    )
-                    handle = client.submit_request(job, idempotent=True)
-                except ValidationError as exc:
-                    finish({"line": line_no, "error": str(exc)}, failed=True)
-                    continue
-                follower.add(handle.id)
-                pending[handle.id] = (line_no, ResultBuilder(handle.id))
-
-        def finish(record: dict[str, Any], *, failed: bool) -> None:
-            out.write(record)
-            progress.done += 1
-            progress.failed += failed
-            progress.report()
-
-        fill()
-        for job_id, event in follow(conn, follower):
-            line_no, builder = pending[job_id]
-            progress.tokens += event.token_id is not None
-            try:
-                result = builder.add(event)
-            except JobFailed as exc:
-                error = {"line": line_no, "id": job_id, "error": str(exc), "reason": exc.reason}
-                finish(error, failed=True)
-            else:
-                if result is None:
-                    progress.report()
-                    continue
-                finish({"line": line_no, **result.to_dict()}, failed=False)
-            del pending[job_id]
-            fill()
+        run = _Window(client, todo, out, progress, source=source, window=window)
+        run.fill()
+        for job_id, event in follow(conn, run.follower):
+            run.deliver(job_id, event)
         progress.report(force=True)
     return progress.as_dict()
+
+
+class _Window:
+    """The jobs of a run in flight: at most ``window`` at once, refilled as each ends,
+    so a million-line file never floods the batchd queue."""
+
+    def __init__(
+        self,
+        client: Client,
+        todo: Iterator[tuple[int, str]],
+        out: ResultFile,
+        progress: Progress,
+        *,
+        source: Path,
+        window: int,
+    ) -> None:
+        self.client = client
+        self.todo = todo
+        self.out = out
+        self.progress = progress
+        self.source = source
+        self.window = window
+        self.follower = client.follower()
+        self.in_flight: dict[str, tuple[int, ResultBuilder]] = {}
+
+    def fill(self) -> None:
+        """Submit lines until the window is full or the input is used up."""
+        while self.follower.active < self.window:
+            item = next(self.todo, None)
+            if item is None:
+                return
+            self._submit(*item)
+
+    def _submit(self, line_no: int, line: str) -> None:
+        try:
+            job = parse_line(
+                line, input_path=self.source, line_no=line_no, limits=self.client.limits
+            )
+            handle = self.client.submit_request(job, idempotent=True)
+        except ValidationError as exc:
+            self._write({"line": line_no, "error": str(exc)}, failed=True)
+            return
+        self.follower.add(handle.id)
+        self.in_flight[handle.id] = (line_no, ResultBuilder(handle.id))
+
+    def deliver(self, job_id: str, event: Event) -> None:
+        """One event of a job in flight; when it ends, its result line is written and
+        the window refilled."""
+        line_no, builder = self.in_flight[job_id]
+        self.progress.tokens += event.token_id is not None
+        try:
+            result = builder.add(event)
+        except JobFailed as exc:
+            error = {"line": line_no, "id": job_id, "error": str(exc), "reason": exc.reason}
+            self._write(error, failed=True)
+        else:
+            if result is None:
+                self.progress.report()
+                return
+            self._write({"line": line_no, **result.to_dict()}, failed=False)
+        del self.in_flight[job_id]
+        self.fill()
+
+    def _write(self, record: dict[str, Any], *, failed: bool) -> None:
+        self.out.write(record)
+        self.progress.done += 1
+        self.progress.failed += failed
+        self.progress.report()
 
 
 def rq_queue(connection: redis.Redis, name: str = RQ_QUEUE) -> Queue:

@@ -184,6 +184,12 @@ class Follower:
         return len(self.cursors)
 
     def plan(self) -> Generator[Step, Any, None]:
+        """The follow loop, free of I/O: yields steps and receives their replies.
+
+        The driver throws a connection error back in at the step that raised it;
+        the plan then pauses and catches up from the last delivered seq. Ends when
+        every job's final event is delivered; raises JobTimeout, ProtocolError.
+        """
         outage = _Outage(self.reconnect_timeout_s, self.retry_max_s)
         catching_up = True
         while self.cursors:
