@@ -1,8 +1,8 @@
 """What the daemon needs from an engine, as a small Protocol.
 
 The worker loop talks to a ``Generator`` only: tokenize a job, start it
-(possibly resuming with tokens a previous daemon already published), abort
-it, step, and report load. :mod:`daemon.mlx_generator` adapts
+(possibly resuming with tokens a previous daemon already published, see
+``JobStart``), abort it, step, and report load. :mod:`daemon.mlx_generator` adapts
 ``engine.LLMEngine`` to it; tests drive the loop with a deterministic fake.
 Every call happens on the engine thread (MLX streams are thread-local).
 """
@@ -23,6 +23,22 @@ class JobRejected(ValueError):
         self.job_id = job_id
         self.reason = reason
         super().__init__(f"job {job_id}: {reason}")
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """A job to admit: its request, prompt ids, and outputs it already published.
+
+    ``emitted`` is non-empty when a job resumes after a crash: those tokens count
+    as produced and are not emitted again; the text of their events is what was
+    delivered, and the next outputs carry on exactly as an uninterrupted run
+    (text that was still held back then comes with the next output).
+    """
+
+    job_id: str
+    request: JobRequest
+    prompt_token_ids: list[int]
+    emitted: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -66,18 +82,9 @@ class Generator(Protocol):
         """Prompt token ids of a job (chat template applied); raises JobRejected."""
         ...
 
-    def start(
-        self,
-        job_id: str,
-        request: JobRequest,
-        prompt_token_ids: list[int],
-        *,
-        emitted: Sequence[int] = (),
-    ) -> FinishReason | None:
-        """Admit a job; ``emitted`` are its outputs already published (resume after a crash):
-        they count as produced and are not emitted again. Returns the finish reason
-        instead when ``emitted`` already ends the job (a crash just before its final
-        event). Raises JobRejected."""
+    def start(self, job: JobStart) -> FinishReason | None:
+        """Admit a job. Returns the finish reason instead when its ``emitted`` outputs
+        already end it (a crash just before its final event). Raises JobRejected."""
         ...
 
     def abort(self, job_id: str) -> None:

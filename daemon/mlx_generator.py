@@ -6,10 +6,8 @@ Built and used on the engine thread only. Importing this module imports MLX
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from config import EngineSettings
-from daemon.generator import JobRejected, Load, StepView, TokenOut
+from daemon.generator import JobRejected, JobStart, Load, StepView, TokenOut
 from engine import EngineConfig, LLMEngine, SamplingParams
 from producers.schema import FinishReason, JobRequest
 
@@ -20,7 +18,6 @@ class MLXGenerator:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.eos_token_ids = engine.eos_token_ids
 
     @classmethod
     def from_pretrained(cls, model: str, settings: EngineSettings) -> MLXGenerator:
@@ -47,39 +44,18 @@ class MLXGenerator:
             raise JobRejected(job_id, "prompt: empty after tokenizing")
         return [int(t) for t in ids]
 
-    def start(
-        self,
-        job_id: str,
-        request: JobRequest,
-        prompt_token_ids: list[int],
-        *,
-        emitted: Sequence[int] = (),
-    ) -> FinishReason | None:
-        if emitted:
-            done = self._already_finished(request, emitted)
-            if done is not None:
-                return done
+    def start(self, job: JobStart) -> FinishReason | None:
         try:
-            params = SamplingParams(**request.sampling())
-            self.engine.add_request(
-                job_id,
-                prompt_token_ids=prompt_token_ids,
-                params=params,
-                priority=request.priority,
-                resume_output_token_ids=emitted,
+            finished = self.engine.add_request(
+                job.job_id,
+                prompt_token_ids=job.prompt_token_ids,
+                params=SamplingParams(**job.request.sampling()),
+                priority=job.request.priority,
+                resume_output_token_ids=job.emitted,
             )
         except ValueError as exc:
-            raise JobRejected(job_id, str(exc)) from exc
-        return None
-
-    def _already_finished(self, request: JobRequest, emitted: Sequence[int]) -> FinishReason | None:
-        """A crash after the last token's event but before the final event."""
-        if len(emitted) >= request.max_tokens:
-            return FinishReason.length
-        stop_ids = set(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        return FinishReason.stop if emitted[-1] in stop_ids else None
+            raise JobRejected(job.job_id, str(exc)) from exc
+        return FinishReason(finished) if finished is not None else None
 
     def abort(self, job_id: str) -> None:
         self.engine.abort(job_id)

@@ -23,7 +23,7 @@ import redis
 from config import Settings
 from daemon import crashpoint
 from daemon.control import Cancellations
-from daemon.generator import Generator, JobRejected, StepView, TokenOut
+from daemon.generator import Generator, JobRejected, JobStart, StepView, TokenOut
 from daemon.heartbeat import Heartbeat
 from daemon.housekeeping import trim_acked
 from daemon.jobs import Delivery, Job
@@ -276,7 +276,7 @@ class Worker:
         assert job.request is not None
         try:
             done = self.gen.start(
-                job.job_id, job.request, job.prompt_token_ids, emitted=job.output_token_ids
+                JobStart(job.job_id, job.request, job.prompt_token_ids, tuple(job.output_token_ids))
             )
         except JobRejected as exc:
             job.reject(exc.reason)

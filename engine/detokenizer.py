@@ -11,6 +11,10 @@ tokens.
 Stop strings: text that could still be the beginning of a stop string is
 held back; when one appears, the text is cut exactly before it and the stop
 string itself is never emitted.
+
+Both are pure functions of the tokens fed so far: feeding the same tokens
+again rebuilds the same held-back text, which is how a resumed request
+continues exactly where an uninterrupted run would be.
 """
 
 from __future__ import annotations
@@ -24,16 +28,11 @@ _INCOMPLETE = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
-    def __init__(self, tokenizer: Any, tokens: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens before this index are already released
-        if tokens:
-            # Prime with tokens whose text was delivered before (a resumed request).
-            self._ids = list(tokens)
-            self._prefix = max(0, len(self._ids) - 1)
-            self._read = len(self._ids)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (maybe empty)."""

@@ -106,12 +106,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         resume_output_token_ids: Sequence[int] = (),
-    ) -> None:
+    ) -> str | None:
         """Queue a request given exactly one of prompt / prompt_token_ids / messages.
 
-        ``resume_output_token_ids`` are outputs a previous run already delivered:
-        they are not emitted again, count toward max_tokens, and seeded sampling
-        continues at the next position. Raises ValueError on bad input.
+        ``resume_output_token_ids`` are outputs a previous run of the same request
+        already delivered (with the text this engine gave them): they are not
+        emitted again, count toward max_tokens, seeded sampling continues at the
+        next position, and the text that run still held back (half a character,
+        a possible start of a stop string) comes with the next output, so the
+        texts and tokens match an uninterrupted run. Returns None once queued, or
+        the finish reason ("stop", "length") when those outputs already end the
+        request: then nothing is queued. Raises ValueError on bad input.
         """
         params = params or SamplingParams()
         if request_id in self._requests:
@@ -119,36 +124,28 @@ class LLMEngine:
         ids = self._prompt_ids(request_id, prompt, prompt_token_ids, messages)
         resumed = [int(t) for t in resume_output_token_ids]
         self._check_ids(request_id, ids + resumed)
-        remaining = params.max_tokens - len(resumed)
-        if remaining < 1:
+        if len(ids) >= self.max_model_len:
             raise ValueError(
-                f"request {request_id!r}: {len(resumed)} resumed tokens leave nothing to "
-                f"generate (max_tokens={params.max_tokens})"
-            )
-        context = len(ids) + len(resumed)
-        if context >= self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {context} tokens leaves no room in "
+                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room in "
                 f"max_model_len {self.max_model_len}"
             )
-        # Generation also stops at the context length (finish_reason "length").
-        remaining = min(remaining, self.max_model_len - context)
-        seq = Seq(
-            request_id,
-            ids + resumed,
-            dataclasses.replace(params, max_tokens=remaining),
-            priority=priority,
-        )
-        self.scheduler.add(seq)
-        self._requests[request_id] = RequestState(
+        state = RequestState(
             request_id,
             params,
             seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
-            max_outputs=len(resumed) + remaining,
-            resumed_tokens=resumed,
+            # Generation also stops at the context length (finish_reason "length").
+            max_outputs=min(params.max_tokens, self.max_model_len - len(ids)),
         )
+        if resumed:
+            finished = state.resume(resumed)
+            if finished is not None:
+                return finished
+        remaining = dataclasses.replace(params, max_tokens=state.max_outputs - len(resumed))
+        self.scheduler.add(Seq(request_id, ids + resumed, remaining, priority=priority))
+        self._requests[request_id] = state
+        return None
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now, freeing its KV blocks; False if it was not live."""

@@ -1,10 +1,11 @@
 """Per-request output bookkeeping: positions, seeds, text and stop conditions.
 
 The scheduler's Sequence knows tokens and blocks; this knows what a caller
-sees. A resumed request (after a crash) is given its already-emitted tokens:
-they join the prompt for the scheduler, but here they count as outputs, so
-max_tokens, output positions (and so seeded sampling) and the detokenizer
-all continue where they stopped.
+sees. A resumed request (after a crash) replays its already-delivered tokens
+through ``resume``: max_tokens, output positions (and so seeded sampling),
+the detokenizer and the stop-string filter then stand exactly where an
+uninterrupted run stood, held-back text included, so the next output carries
+that text and a stop string spanning the crash point is still found.
 """
 
 from __future__ import annotations
@@ -37,20 +38,31 @@ class RequestState:
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         max_outputs: int,
-        resumed_tokens: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.params = params
         self.seed = seed
-        self.num_outputs = len(resumed_tokens)
+        self.num_outputs = 0
         self.max_outputs = max_outputs
-        self.output_token_ids: list[int] = list(resumed_tokens)
+        self.output_token_ids: list[int] = []
         self.text = ""
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
-        self._detok = IncrementalDetokenizer(tokenizer, resumed_tokens)
+        self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
+
+    def resume(self, tokens: Sequence[int]) -> str | None:
+        """Replay outputs a previous run delivered (their text is ``self.text`` after).
+
+        Returns the finish reason if they already end the request (an end token,
+        a stop string, max_tokens): the uninterrupted run ended there too.
+        """
+        for token_id in tokens:
+            reason = self.on_token(token_id).finish_reason
+            if reason is not None:
+                return reason
+        return None
 
     def on_token(self, token_id: int) -> TokenVerdict:
         """Account one sampled token; return its text and finish reason."""

@@ -4,26 +4,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from daemon_harness import ENGINE_OPTS
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
 
 Reference = Callable[[list[dict[str, Any]]], dict[str, list[int]]]
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path) -> Reference:
-    """Token ids the engine produces in-process (uninterrupted) for each job dict."""
+def reference_engine(tiny_model: Path) -> LLMEngine:
+    """The tiny model in-process, with the engine options the test daemons use."""
     import engine  # noqa: F401  (OpenBLAS before MLX)
-    from engine import EngineConfig, LLMEngine, SamplingParams
-    from producers.schema import validate_job
+    from engine import EngineConfig, LLMEngine
 
-    eng = LLMEngine.from_pretrained(tiny_model, EngineConfig(**ENGINE_OPTS))
+    return LLMEngine.from_pretrained(tiny_model, EngineConfig(**ENGINE_OPTS))
+
+
+@pytest.fixture(scope="session")
+def reference(reference_engine: LLMEngine) -> Reference:
+    """Token ids the engine produces in-process (uninterrupted) for each job dict."""
+    from engine import SamplingParams
+    from producers.schema import validate_job
 
     def run(jobs: list[dict[str, Any]]) -> dict[str, list[int]]:
         requests = [validate_job(job) for job in jobs]
-        outputs = eng.generate(
+        outputs = reference_engine.generate(
             [r.prompt_token_ids or [] for r in requests],
             [SamplingParams(**r.sampling()) for r in requests],
         )

@@ -19,7 +19,7 @@ import orjson
 import redis
 
 from config import Settings, load_settings
-from daemon.generator import Generator, JobRejected, Load, StepView, TokenOut
+from daemon.generator import Generator, JobRejected, JobStart, Load, StepView, TokenOut
 from daemon.worker import Worker
 from producers.keys import EVENT_FIELD, JOB_FIELD, Keys, seq_of
 from producers.schema import Event, FinishReason, JobRequest, JobStatus
@@ -83,19 +83,13 @@ class FakeGenerator(Generator):
             raise JobRejected(job_id, "prompt: empty after tokenizing")
         return [ord(c) % 256 for c in text]
 
-    def start(
-        self,
-        job_id: str,
-        request: JobRequest,
-        prompt_token_ids: list[int],
-        *,
-        emitted: Sequence[int] = (),
-    ) -> FinishReason | None:
-        if len(emitted) >= request.max_tokens:
+    def start(self, job: JobStart) -> FinishReason | None:
+        seed, max_tokens = job.request.seed, job.request.max_tokens
+        if len(job.emitted) >= max_tokens:
             return FinishReason.length
-        self.started.append(job_id)
+        self.started.append(job.job_id)
         self.waiting.append(
-            _FakeSeq(job_id, prompt_token_ids, request.seed, request.max_tokens, list(emitted))
+            _FakeSeq(job.job_id, job.prompt_token_ids, seed, max_tokens, list(job.emitted))
         )
         return None
 
