@@ -2,6 +2,9 @@
 
 Everything here runs on one thread, the engine thread (MLX streams are
 thread-local); only the heartbeat has a thread (and a connection) of its own.
+A busy step costs one Redis round trip: the publish pipeline also carries the
+cancellation read and the intake read (see daemon.intake); only new jobs'
+pickup adds one, and only an idle daemon blocks on Redis.
 Signals set a flag: intake stops, running jobs get the grace period to
 finish, the rest stay pending in the group (their published events are the
 checkpoint), and ``run`` returns.
@@ -26,10 +29,11 @@ from daemon.control import Cancellations
 from daemon.generator import Generator, JobRejected, JobStart, StepView, TokenOut
 from daemon.heartbeat import Heartbeat
 from daemon.housekeeping import trim_acked
+from daemon.intake import Intake
 from daemon.jobs import Delivery, Job
 from daemon.metrics import Meter
 from daemon.pickup import Pickup, PickupPolicy
-from daemon.publisher import Publisher
+from daemon.publisher import Piggyback, Publisher
 from daemon.recovery import Recovery
 from daemon.redis_io import REDIS_DOWN, Backoff, connect
 from producers.keys import CONSUMER_GROUP, Keys
@@ -73,6 +77,7 @@ class Worker:
             self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
         )
         self.cancels = Cancellations(self.keys)
+        self.intake_reader = Intake(self.keys, self.queues, consumer=consumer)
         self.backoff = Backoff(cap_s=opts.redis_retry_max_s)
         self.heartbeat = Heartbeat(
             connect(settings),
@@ -87,8 +92,6 @@ class Worker:
         self.next_claim = 0.0
         # The last claim failure logged: a failure that repeats every interval is logged once.
         self.claim_error: str | None = None
-        # Deliveries read (pending for us) whose pickup Redis interrupted: retried first.
-        self.backlog: list[Delivery] = []
 
     # -- control from outside (signal handlers, the demo) ---------------------------------
 
@@ -127,28 +130,26 @@ class Worker:
         return not self.jobs or time.monotonic() >= self.deadline
 
     def intake(self) -> None:
-        """Read only what the engine can admit soon; block on Redis only when idle."""
-        room = self._room()
-        if self.stopping or room <= 0 or not self.backoff.ready():
+        """Pick up what the last publish read; an idle daemon blocks on a read of its own.
+
+        Entries already read are pending for this daemon, so they are picked up
+        even while stopping (and handed back by ``_leave`` if unfinished).
+        """
+        if not self.backoff.ready():
             return
-        idle = not self.jobs and not self.gen.has_work()
         try:
-            if self.backlog:
-                backlog, self.backlog = self.backlog, []
-                self._admit(backlog)
-            reply: Any = self.redis.xreadgroup(
-                CONSUMER_GROUP,
-                self.consumer,
-                {self.keys.queue(q): ">" for q in self.queues},
-                count=room,
-                block=self.settings.daemon.block_ms if idle else None,
-            )
-            deliveries = [
-                Delivery(self._queue_of(stream), entry_id.decode(), fields)
-                for stream, entries in reply or []
-                for entry_id, fields in entries
-            ]
-            self._admit(deliveries)
+            self.intake_reader.raise_failure()
+            read = self.intake_reader.take()
+            self._admit(read)
+            room = self._room()
+            idle = not self.jobs and not self.gen.has_work()
+            if idle and room > 0 and not self.stopping:
+                self.intake_reader.read(
+                    self.redis, count=room, block_ms=self.settings.daemon.block_ms
+                )
+                self._admit(self.intake_reader.take())
+            elif not read:
+                return
             self.backoff.succeeded()
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="reading jobs")
@@ -195,11 +196,18 @@ class Worker:
             self.on_step(view, outputs)
 
     def publish(self) -> None:
-        """One pipeline: every outbox (tokens, statuses, finishes) and new cancellations."""
+        """One pipeline: every outbox (tokens, statuses, finishes), new cancellations and,
+        while busy, new jobs up to the room left once this pipeline's finishes are acked."""
         if not self.backoff.ready():
             return
+        extras: list[Piggyback] = [self.cancels]
+        busy = bool(self.jobs) or self.gen.has_work()
+        room = self._room(ending_now=True)
+        if busy and room > 0 and not self.stopping:
+            self.intake_reader.count = room
+            extras.append(self.intake_reader)
         try:
-            result = self.publisher.flush(self.jobs.values(), extras=[self.cancels])
+            result = self.publisher.flush(self.jobs.values(), extras=extras)
             self.backoff.succeeded()
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="publishing")
@@ -241,12 +249,12 @@ class Worker:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _room(self) -> int:
+    def _room(self, *, ending_now: bool = False) -> int:
+        """Jobs the daemon may still read; ``ending_now`` leaves out jobs whose final
+        event and ack the coming publish carries (acked before its intake read)."""
         opts = self.settings
-        return opts.engine.max_num_seqs + opts.daemon.intake_buffer - len(self.jobs)
-
-    def _queue_of(self, stream: bytes) -> str:
-        return stream.decode().removeprefix(self.keys.queue(""))
+        held = sum(not job.ended for job in self.jobs.values()) if ending_now else len(self.jobs)
+        return opts.engine.max_num_seqs + opts.daemon.intake_buffer - held
 
     def _admit(self, deliveries: list[Delivery]) -> None:
         """Pick up deliveries: start runnable jobs, hold ended ones for publishing, ack dups."""
@@ -255,7 +263,7 @@ class Worker:
         try:
             pickup = self.pickup.pick_up(deliveries)
         except REDIS_DOWN:
-            self.backlog.extend(deliveries)
+            self.intake_reader.put_back(deliveries)
             raise
         for job in pickup.run + pickup.ended:
             held = self.jobs.get(job.job_id)

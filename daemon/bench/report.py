@@ -91,7 +91,19 @@ def _queue_line(q: dict[str, Any]) -> str:
         f"{q['reference_tok_s']:.1f} in-process (mean of {q['in_process']['tok_s']:.1f} before "
         f"and {q['in_process_after']['tok_s']:.1f} after): {q['ratio']:.2f}x. The client "
         f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of the "
-        f"{q['queue']['wall_s']:.1f} s run."
+        f"{q['queue']['wall_s']:.1f} s run." + _queue_rounds(q)
+    )
+
+
+def _queue_rounds(q: dict[str, Any]) -> str:
+    """The alternating rounds behind the ratio (see daemon.bench.queue)."""
+    rounds = q.get("rounds", [])
+    if len(rounds) < 2:
+        return ""
+    each = ", ".join(f"{r['ratio']:.2f}x" for r in rounds)
+    return (
+        f" Rounds (in-process and queue runs alternating, each queue run over the mean of its"
+        f" neighbours): {each}; median {q['ratio']:.2f}x, best-of {q['best_of_ratio']:.2f}x."
     )
 
 
