@@ -36,6 +36,12 @@ class EngineSettings(_Section):
     max_num_batched_tokens: int = Field(
         512, ge=1, description="Token budget of one engine step (decodes + prefill chunks)."
     )
+    max_prefill_tokens_with_decodes: int | None = Field(
+        None,
+        ge=1,
+        description="Most prefill tokens in a step while sequences decode (even inter-token "
+        "latency); unset: only max_num_batched_tokens bounds them.",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV pool size in blocks; unset sizes it from available memory."

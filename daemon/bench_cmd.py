@@ -50,10 +50,31 @@ def register(sub: Any) -> None:
         help="batchd's running-sequence cap, and BatchGenerator's completion_batch_size "
         "(default: engine.max_num_seqs from settings)",
     )
+    p.add_argument(
+        "--online-max-prefill-tokens",
+        type=_prefill_bound,
+        default=argparse.SUPPRESS,
+        metavar="N|none",
+        help="batchd's engine.max_prefill_tokens_with_decodes in the online workload, a latency "
+        "setting (default: 32; none: no bound); the throughput workloads take the engine "
+        "settings' value",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
     p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
     p.set_defaults(func=run)
+
+
+def _prefill_bound(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, got {text!r}")
+    return value
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
@@ -77,7 +98,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         from daemon.bench.progress import Progress
         from daemon.bench.report import write_report
-        from daemon.bench.runner import WORKLOADS, BenchOptions, run_bench
+        from daemon.bench.runner import (
+            ONLINE_MAX_PREFILL_TOKENS,
+            WORKLOADS,
+            BenchOptions,
+            run_bench,
+        )
         from daemon.bench.workloads import SCALES
     except ImportError as exc:
         print(
@@ -93,6 +119,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     scale = args.scale or ("quick" if args.quick else "full")
     max_num_seqs = args.max_num_seqs or settings.engine.max_num_seqs
+    # Absent unless given (argparse.SUPPRESS), so that "none" can mean no bound.
+    online_bound = getattr(args, "online_max_prefill_tokens", ONLINE_MAX_PREFILL_TOKENS)
     options = BenchOptions(
         model_path=model_path,
         model_label=label,
@@ -102,11 +130,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         max_num_batched_tokens=settings.engine.max_num_batched_tokens,
         redis_url=settings.redis_url,
         seed=args.seed,
+        max_prefill_tokens_with_decodes=settings.engine.max_prefill_tokens_with_decodes,
+        online_max_prefill_tokens_with_decodes=online_bound,
         command=(
             f"batchd bench --workload {args.workload} "
             + (f"--model {args.model}" if args.model else f"--preset {label}")
             + (" --quick" if scale == "quick" else "")
             + f" --max-num-seqs {max_num_seqs} --seed {args.seed}"
+            + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
         ),
     )
     report = run_bench(options, Progress())

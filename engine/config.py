@@ -23,6 +23,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     """Token budget of one step: one token per decode first, prefill chunks fill the rest."""
 
+    max_prefill_tokens_with_decodes: int | None = None
+    """Most prefill tokens in a step while sequences are decoding; None: no bound beyond
+    max_num_batched_tokens. A step's time grows with its prefill tokens and every running
+    decode waits for it, so a small bound (e.g. 32) keeps inter-token latency even under
+    arriving prompts, at some cost in time to first token and throughput. With no decode
+    running the whole budget goes to prefill. Needs enable_chunked_prefill."""
+
     block_size: int = 16
     """Tokens per KV-cache block (the paging and prefix-cache granularity)."""
 
@@ -64,6 +71,19 @@ class EngineConfig:
             budget,
             budget >= self.max_num_seqs,
             f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode",
+        )
+        bound = self.max_prefill_tokens_with_decodes
+        _require(
+            "max_prefill_tokens_with_decodes",
+            bound,
+            bound is None or _positive_int(bound),
+            "None or >= 1",
+        )
+        _require(
+            "max_prefill_tokens_with_decodes",
+            bound,
+            bound is None or self.enable_chunked_prefill,
+            "None when enable_chunked_prefill is off (a whole prompt could wait forever)",
         )
         _require("block_size", self.block_size, _positive_int(self.block_size), ">= 1")
         blocks = self.num_kv_blocks

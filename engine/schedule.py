@@ -64,13 +64,28 @@ class SchedulerOutput:
 
 
 class StepBuilder:
-    """Collects a step's chunks against the token budget; a preempted one is taken back."""
+    """Collects a step's chunks against the token budget, and optionally a tighter bound on
+    the prefill tokens among them; a preempted sequence's chunk is taken back."""
 
     def __init__(self, budget: int, block_size: int) -> None:
         self.budget = budget
         self.block_size = block_size
         self.preempted: list[Sequence] = []
         self._chunks: dict[str, ScheduledChunk] = {}
+        self._prefill_bound: int | None = None
+        self._prefill_tokens = 0
+
+    def bound_prefill(self, max_tokens: int) -> None:
+        """Let the prefill chunks of this step take `max_tokens` tokens at most, together."""
+        self._prefill_bound = max_tokens
+
+    @property
+    def prefill_budget(self) -> int:
+        """Tokens a prefill chunk may still take: what is left of the budget, within the
+        prefill bound if one is set."""
+        if self._prefill_bound is None:
+            return self.budget
+        return max(0, min(self.budget, self._prefill_bound - self._prefill_tokens))
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         """Schedule positions [num_computed, num_computed + num_tokens) of `seq`, whose
@@ -80,9 +95,11 @@ class StepBuilder:
         end = start + num_tokens
         assert end <= len(table) * size, f"{seq.seq_id}: blocks do not cover position {end - 1}"
         slots = [table[p // size] * size + p % size for p in range(start, end)]
-        self._chunks[seq.seq_id] = ScheduledChunk(
-            seq, start, num_tokens, slots, end == seq.num_tokens
-        )
+        chunk = ScheduledChunk(seq, start, num_tokens, slots, end == seq.num_tokens)
+        if not chunk.is_decode:
+            assert num_tokens <= self.prefill_budget, f"{seq.seq_id}: prefill over its bound"
+            self._prefill_tokens += num_tokens
+        self._chunks[seq.seq_id] = chunk
         self.budget -= num_tokens
 
     def drop(self, seq: Sequence) -> None:
@@ -90,6 +107,8 @@ class StepBuilder:
         chunk = self._chunks.pop(seq.seq_id, None)
         if chunk is not None:
             self.budget += chunk.num_tokens
+            if not chunk.is_decode:
+                self._prefill_tokens -= chunk.num_tokens
         self.preempted.append(seq)
 
     def build(self) -> SchedulerOutput:

@@ -8,6 +8,12 @@ Each `schedule()` builds one step under two limits, a token budget
 3. waiting sequences are admitted in queue order while budget, the cap and
    blocks allow (strict order: the head that does not fit blocks the rest).
 
+While any sequence decodes, the prefill chunks of steps 2 and 3 share at most
+`max_prefill_tokens_with_decodes` tokens when that is set: a step's time
+grows with its prefill tokens and every decode waits for the whole step, so
+the bound trades time to first token for even inter-token latency. With no
+decode running, prefill gets the whole budget.
+
 Queue order is effective priority, `priority + aging_rate * seconds since
 arrival`, highest first, FIFO within a tie. Since every waiting sequence ages
 at the same rate, the order never changes while they wait, so it is a sorted
@@ -151,12 +157,16 @@ class Scheduler:
         ranked = sorted(self._running, key=self._rank, reverse=True)
         decodes = [s for s in ranked if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in ranked if s.num_tokens - s.num_computed_tokens > 1]
+        bound = self.config.max_prefill_tokens_with_decodes
+        if decodes and bound is not None:
+            step.bound_prefill(bound)  # every decode waits for this step's prefill work
         for seq in decodes + prefills:
-            if step.budget == 0:
-                break
             if not seq.is_running:
                 continue  # preempted earlier in this step
-            num = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            num = min(left, step.budget if left == 1 else step.prefill_budget)
+            if num == 0:
+                break
             if self._make_room(seq, seq.num_computed_tokens + num, step):
                 step.add(seq, num)
         if not step.preempted:
@@ -260,16 +270,18 @@ class Scheduler:
 
     def _admit(self, step: StepBuilder) -> None:
         config, bm = self.config, self.block_manager
-        while self._waiting and step.budget > 0 and len(self._running) < config.max_num_seqs:
+        while (
+            self._waiting and step.prefill_budget > 0 and len(self._running) < config.max_num_seqs
+        ):
             seq = self._waiting[0][2]
             hits = bm.match_prefix(seq)
             cached = len(hits) * bm.block_size
             remaining = seq.num_tokens - cached
             # Unchunked: the prompt goes whole; only a recompute longer than any step is split.
             whole = not config.enable_chunked_prefill and remaining <= config.max_num_batched_tokens
-            if whole and remaining > step.budget:
+            if whole and remaining > step.prefill_budget:
                 return
-            num = min(remaining, step.budget)
+            num = min(remaining, step.prefill_budget)
             if not self._can_admit(seq, hits, cached + num):
                 return
             self._waiting.pop(0)

@@ -9,7 +9,12 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def bench_engine_config(
-    *, max_num_seqs: int, max_num_batched_tokens: int, longest_request: int, block_size: int = 16
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    longest_request: int,
+    block_size: int = 16,
+    max_prefill_tokens_with_decodes: int | None = None,
 ) -> EngineConfig:
     """The engine's settings for a run: a KV pool that holds every running sequence whole.
 
@@ -21,6 +26,7 @@ def bench_engine_config(
     return EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
         block_size=block_size,
         num_kv_blocks=max_num_seqs * blocks_per_seq + 64,
     )

@@ -26,6 +26,10 @@ def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
+def _bound(value: int | None) -> str:
+    return "none" if value is None else str(value)
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Settings, throughput table (with ratios, MFU and the FLOP limit), latency table."""
     s, m, limit = report["settings"], report["machine"], report["limit"]
@@ -33,7 +37,9 @@ def markdown(report: dict[str, Any]) -> str:
         "# batchd bench",
         "",
         f"Model `{s['model_label']}` ({s['dtype']}), max_num_seqs {s['max_num_seqs']}, "
-        f"max_num_batched_tokens {s['max_num_batched_tokens']}, scale {s['scale']}.",
+        f"max_num_batched_tokens {s['max_num_batched_tokens']}, "
+        f"max_prefill_tokens_with_decodes {_bound(s['max_prefill_tokens_with_decodes'])}, "
+        f"scale {s['scale']}.",
         f"Machine: {m['platform']}, {m['cpu_count']} CPUs, mlx {m['mlx']} ({m['device']}), "
         f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}; matmul {limit['matmul_gflops']} GFLOP/s.",
         "",
@@ -63,7 +69,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             f"Online: {online['requests']} requests, Poisson at {online['rate_req_s']} req/s "
-            f"({online['load']:.0%} of BatchGenerator's mixed throughput).",
+            f"({online['load']:.0%} of BatchGenerator's mixed throughput); batchd with "
+            f"max_prefill_tokens_with_decodes "
+            f"{_bound(s['online_max_prefill_tokens_with_decodes'])} (a latency setting: "
+            "the throughput workloads use the value above).",
             "",
             "| system | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |",
             "| --- | ---: | ---: | ---: | ---: | ---: |",

@@ -32,6 +32,11 @@ from engine.blas import loaded_openblas
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
 
+# batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (a step
+# carrying 512 prefill tokens takes ~9x a decode step on bench-small, and every running decode
+# waits for it). The throughput workloads keep the engine settings' value (default: no bound).
+ONLINE_MAX_PREFILL_TOKENS = 32
+
 
 @dataclass(frozen=True)
 class BenchOptions:
@@ -46,6 +51,8 @@ class BenchOptions:
     redis_url: str
     seed: int = 0
     online_load: float = 0.9
+    max_prefill_tokens_with_decodes: int | None = None
+    online_max_prefill_tokens_with_decodes: int | None = ONLINE_MAX_PREFILL_TOKENS
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -83,6 +90,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             max_num_batched_tokens=options.max_num_batched_tokens,
             scale=options.scale,
             vocab_size=config["vocab_size"],
+            max_prefill_tokens_with_decodes=options.max_prefill_tokens_with_decodes,
+            online_max_prefill_tokens_with_decodes=options.online_max_prefill_tokens_with_decodes,
         ),
         progress,
     )
@@ -93,6 +102,10 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "dtype": config.get("torch_dtype"),
             "max_num_seqs": options.max_num_seqs,
             "max_num_batched_tokens": options.max_num_batched_tokens,
+            "max_prefill_tokens_with_decodes": options.max_prefill_tokens_with_decodes,
+            "online_max_prefill_tokens_with_decodes": (
+                options.online_max_prefill_tokens_with_decodes
+            ),
             "scale": options.scale.name,
             "seed": options.seed,
             "workloads": list(options.workloads),

@@ -41,13 +41,20 @@ class SystemUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SystemSettings:
-    """What every system shares: the model and batchd's batch limits."""
+    """What every system shares: the model and batchd's batch limits.
+
+    batchd's prefill bound while decoding differs by run: throughput runs
+    (every request at t=0) use ``max_prefill_tokens_with_decodes``, timed
+    (online) runs the latency setting ``online_max_prefill_tokens_with_decodes``.
+    """
 
     model_path: Path
     max_num_seqs: int
     max_num_batched_tokens: int
     scale: Scale
     vocab_size: int
+    max_prefill_tokens_with_decodes: int | None = None
+    online_max_prefill_tokens_with_decodes: int | None = None
 
 
 class Systems:
@@ -66,7 +73,9 @@ class Systems:
             return f"engine not available: {exc}"
         return None
 
-    def _step_system(self, key: str, longest_request: int) -> StepSystem:
+    def _step_system(
+        self, key: str, longest_request: int, *, prefill_bound: int | None
+    ) -> StepSystem:
         if key == BATCHGEN:
             return peers.BatchGeneratorSystem(
                 self.model, completion_batch_size=self.settings.max_num_seqs
@@ -80,6 +89,7 @@ class Systems:
             max_num_seqs=self.settings.max_num_seqs,
             max_num_batched_tokens=self.settings.max_num_batched_tokens,
             longest_request=longest_request,
+            max_prefill_tokens_with_decodes=prefill_bound,
         )
         return BatchdSystem(self.settings.model_path, config)
 
@@ -100,7 +110,11 @@ class Systems:
         label = f"{workload.name} / {LABELS[key]}"
         run: Callable[[Workload, Recorder], RunStats]
         if key in STEP_SYSTEMS:
-            system = self._step_system(key, longest_request(workload, warm))
+            system = self._step_system(
+                key,
+                longest_request(workload, warm),
+                prefill_bound=self.settings.max_prefill_tokens_with_decodes,
+            )
 
             def run(w: Workload, r: Recorder) -> RunStats:
                 return run_offline(system, w, r)
@@ -125,7 +139,11 @@ class Systems:
     def timed(self, key: str, workload: Workload, arrivals: list[float]) -> RunStats:
         """Warm ``key`` up, then run ``workload`` with requests arriving at ``arrivals``."""
         warm = self.warmup_for(workload)
-        system = self._step_system(key, longest_request(workload, warm))
+        system = self._step_system(
+            key,
+            longest_request(workload, warm),
+            prefill_bound=self.settings.online_max_prefill_tokens_with_decodes,
+        )
         label = f"{workload.name} / {LABELS[key]}"
         run_offline(system, warm, self._recorder(label, len(warm.requests), warmup=True))
         stats = run_timed(system, workload, arrivals, self._recorder(label, len(workload.requests)))

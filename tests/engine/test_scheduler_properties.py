@@ -1,9 +1,9 @@
 """Random interleavings of add / step / finish / abort against a small pool.
 
 After every operation: no block leaked or freed twice, ref counts equal the
-number of block tables holding each block, budget and running cap respected,
-and every position a chunk attends to holds the K/V of exactly its own prefix
-(a shadow of what the "runner" wrote to each slot). At the end every request is
+number of block tables holding each block, budget, prefill bound and running
+cap respected, and every position a chunk attends to holds the K/V of exactly
+its own prefix (a shadow of what the "runner" wrote to each slot). At the end every request is
 driven to completion with its outputs intact.
 """
 
@@ -30,11 +30,13 @@ OPS = ("add",) * 6 + ("step",) * 4 + ("step_abort", "end", "dup", "tick")
 def configs(draw: st.DrawFn) -> tuple[EngineConfig, int, int]:
     max_num_seqs = draw(st.integers(1, 4))
     block_size = draw(st.sampled_from([1, 2, 4]))
+    chunked = draw(st.booleans())
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=draw(st.integers(max_num_seqs, 12)),
+        max_prefill_tokens_with_decodes=draw(st.none() | st.integers(1, 6)) if chunked else None,
         block_size=block_size,
-        enable_chunked_prefill=draw(st.booleans()),
+        enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         enable_preemption=draw(st.booleans()),
         aging_rate=draw(st.sampled_from([0.0, 0.5])),
@@ -84,9 +86,15 @@ class Harness:
 
     def step(self, abort: str | None = None) -> None:
         had_work = self.sched.has_unfinished()
+        decoding = any(
+            s is not None and s.is_running and s.num_tokens - s.num_computed_tokens == 1
+            for s in map(self.sched.get, self.live)
+        )
         output = self.sched.schedule()
         assert not had_work or not output.is_empty, "a step with work to do scheduled nothing"
         self.check_output(output)
+        bound = self.config.max_prefill_tokens_with_decodes
+        assert not decoding or bound is None or output.num_prefill_tokens <= bound
         if abort is not None:
             self.end(abort, FinishReason.abort)
         for chunk in output.chunks:  # the runner writes K/V whatever happened since

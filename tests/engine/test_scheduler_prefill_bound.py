@@ -1,0 +1,75 @@
+"""max_prefill_tokens_with_decodes: exact schedules with the prefill bound, which applies only
+while some sequence decodes, is shared by continuing chunks and admissions, and is validated."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_harness import make_scheduler, seq, step
+
+from config.settings import EngineSettings
+from engine.config import EngineConfig
+
+
+def test_prefill_is_bounded_while_a_sequence_decodes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, max_prefill_tokens_with_decodes=4)
+    sched.add(seq("a", 2, max_tokens=8))
+    assert step(sched) == [("a", 0, 2)]
+    sched.add(seq("b", 10, max_tokens=2))
+    # Without the bound b would go whole (10 of the 15 tokens left); with it, 4 per step.
+    assert step(sched) == [("a", 2, 1), ("b", 0, 4)]
+    assert step(sched) == [("a", 3, 1), ("b", 4, 4)]
+    assert step(sched) == [("a", 4, 1), ("b", 8, 2)]
+    assert step(sched) == [("a", 5, 1), ("b", 10, 1)]
+
+
+def test_without_decodes_prefill_takes_the_whole_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, max_prefill_tokens_with_decodes=4)
+    sched.add(seq("a", 10, max_tokens=4))
+    sched.add(seq("b", 10, max_tokens=4))
+    assert step(sched) == [("a", 0, 10), ("b", 0, 6)]
+    # a now decodes, so b's last 4 tokens are all the prefill the step may carry.
+    assert step(sched) == [("a", 10, 1), ("b", 6, 4)]
+    assert step(sched) == [("a", 11, 1), ("b", 10, 1)]
+
+
+def test_the_bound_is_shared_by_running_prefills_then_admissions() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32, max_prefill_tokens_with_decodes=6)
+    sched.add(seq("a", 2, max_tokens=8, at=0))
+    assert step(sched) == [("a", 0, 2)]
+    sched.add(seq("b", 10, max_tokens=2, at=1))
+    sched.add(seq("c", 9, max_tokens=2, at=2))
+    assert step(sched) == [("a", 2, 1), ("b", 0, 6)]
+    # b (admitted first) continues with 4 tokens; c is admitted with the 2 left.
+    assert step(sched) == [("a", 3, 1), ("b", 6, 4), ("c", 0, 2)]
+    assert step(sched) == [("a", 4, 1), ("b", 10, 1), ("c", 2, 6)]
+    assert step(sched) == [("a", 5, 1), ("c", 8, 1)]
+    output = sched.schedule()
+    assert (output.num_decodes, output.num_prefill_tokens) == (2, 0)
+
+
+def test_a_bound_above_the_budget_changes_nothing() -> None:
+    schedules = []
+    for bound in (None, 64):
+        sched = make_scheduler(max_num_batched_tokens=8, max_prefill_tokens_with_decodes=bound)
+        sched.add(seq("a", 2, max_tokens=6, at=0))
+        sched.add(seq("b", 20, max_tokens=2, at=1))
+        schedules.append([step(sched) for _ in range(5)])
+    assert schedules[0] == schedules[1]
+    assert schedules[0][1] == [("a", 2, 1), ("b", 6, 7)]
+
+
+@pytest.mark.parametrize("bound", [0, -1, True, 2.5])
+def test_bound_must_be_a_positive_int(bound: object) -> None:
+    with pytest.raises(ValueError, match=r"max_prefill_tokens_with_decodes must be None or >= 1"):
+        EngineConfig(max_prefill_tokens_with_decodes=bound)  # type: ignore[arg-type]
+
+
+def test_bound_needs_chunked_prefill() -> None:
+    with pytest.raises(ValueError, match=r"None when enable_chunked_prefill is off .*, got 32"):
+        EngineConfig(max_prefill_tokens_with_decodes=32, enable_chunked_prefill=False)
+
+
+def test_the_daemon_setting_reaches_the_engine_config() -> None:
+    settings = EngineSettings(max_prefill_tokens_with_decodes=48)
+    assert EngineConfig(**settings.model_dump()).max_prefill_tokens_with_decodes == 48
+    assert EngineConfig(**EngineSettings().model_dump()).max_prefill_tokens_with_decodes is None
