@@ -213,3 +213,44 @@ def test_live_daemons_long_job_is_never_claimed(redis_server: RedisServer) -> No
             assert not b.jobs
     assert len(token_ids(events)) == 250
     assert status_of(client, KEYS, "long").daemon == "a"
+
+
+def test_a_busy_step_costs_one_round_trip(redis_server: RedisServer) -> None:
+    """Intake and cancellations ride the publish pipeline: no read of their own per step."""
+    client = redis_server.client()
+    counts = {"round_trips": 0, "steps": 0}
+    ids = [f"rt{i}" for i in range(4)]
+    with worker_thread(
+        fast_settings(redis_server.url, claim_interval_s=60.0),
+        lambda: FakeGenerator(max_running=4, step_delay_s=0.002),
+    ) as worker:
+        pool = worker.redis.connection_pool
+        get_connection = pool.get_connection
+
+        def counting_connection(*args: Any, **kwargs: Any) -> Any:
+            conn = get_connection(*args, **kwargs)
+            if not getattr(conn, "counted", False):
+                send = conn.send_packed_command
+
+                def counted_send(*a: Any, **k: Any) -> Any:
+                    counts["round_trips"] += 1
+                    return send(*a, **k)
+
+                conn.send_packed_command = counted_send  # type: ignore[method-assign]
+                conn.counted = True  # type: ignore[attr-defined]
+            return conn
+
+        step = worker.gen.step
+
+        def counted_step() -> Any:
+            counts["steps"] += 1
+            return step()
+
+        pool.get_connection = counting_connection  # type: ignore[method-assign]
+        worker.gen.step = counted_step  # type: ignore[method-assign]
+        for job_id in ids:
+            enqueue(client, KEYS, {"id": job_id, "prompt": "x", "max_tokens": 60})
+        wait_final(client, KEYS, ids, timeout=20)
+    # One pipeline per step; pickups, acks and idle reads add a handful, not one per step.
+    assert counts["steps"] >= 60
+    assert counts["round_trips"] <= counts["steps"] + 25, counts
