@@ -154,6 +154,7 @@ def _daemon_env(
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         longest_request=longest,
+        max_prefill_tokens_with_decodes=s.max_prefill_tokens_with_decodes,
     )
     # Every engine option the daemon's settings know, so both engines match field by field.
     engine_env = {
