@@ -170,14 +170,13 @@ class LLMEngine:
         ]
         sampling = [c for c in scheduled.chunks if c.samples]
         logits = self.runner.execute(chunks)
-        forward_s = 0.0
-        sampled: dict[str, int] = {}
+        host = None if logits is None else np.array(logits.astype(mx.float32))
+        forward_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
-        if logits is not None:
-            host = np.array(logits.astype(mx.float32))
-            forward_s = time.perf_counter() - start
-            rows = [self._sample_row(c.seq) for c in sampling]
-            samples = sample(host, rows)
+        if host is None:
+            self.scheduler.update(scheduled, {})
+        else:
+            samples = sample(host, [self._sample_row(c.seq) for c in sampling])
             sampled = {c.seq.seq_id: t for c, t in zip(sampling, samples.token_ids, strict=True)}
             self.scheduler.update(scheduled, sampled)
             for i, chunk in enumerate(sampling):
@@ -189,9 +188,6 @@ class LLMEngine:
                         samples.top_logprobs[i],
                     )
                 )
-        else:
-            forward_s = time.perf_counter() - start
-            self.scheduler.update(scheduled, sampled)
         self.last_step_stats = self._stats(scheduled, start, forward_s, len(outputs))
         return outputs
 
