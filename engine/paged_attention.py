@@ -11,6 +11,12 @@ no gather at all.
 On CPU the products and a fast softmax (engine.fast_math) are written out
 here, since MLX's CPU SDPA spends most of its time in a slow ``exp``;
 elsewhere (Metal) ``mx.fast.scaled_dot_product_attention`` runs them.
+
+MLX runs a stream's elementwise work (gathers, softmax) on one thread, so
+on a multi-core CPU the decode groups are cut further into *lanes*, pieces
+of about equal work that the runner places on separate streams to run in
+parallel (measured on 2 cores: one layer's decode attention for 32
+sequences of ~500 tokens, 10.7 ms on one stream, 6.6 ms on two).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class DecodeGroup:
     row_end: int
     block_tables: mx.array  # [B, num_blocks] int32, padded with block 0
     bias: mx.array  # [kv_heads * B, 1, num_blocks * block_size] float32: 0 or MASKED
+    lane: int = 0  # which of the runner's streams computes it
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,29 @@ def group_decodes(lengths: list[int]) -> list[tuple[int, int]]:
     return groups
 
 
+def split_for_lanes(
+    lengths: list[int], groups: list[tuple[int, int]], lanes: int
+) -> list[tuple[int, int, int]]:
+    """Cut each [start, end) group into up to ``lanes`` runs of about equal key length.
+
+    Returns (start, end, lane) pieces; a group's pieces go to distinct lanes,
+    rotated from group to group so that no lane gets every group's longest piece.
+    """
+    pieces: list[tuple[int, int, int]] = []
+    for index, (start, end) in enumerate(groups):
+        parts = min(lanes, end - start)
+        total = sum(lengths[start:end])
+        cut, done, acc = start, 0, 0
+        for row in range(start, end - 1):
+            acc += lengths[row]
+            left = end - row - 1  # rows after this one
+            if done + 1 < parts and (acc * parts >= total * (done + 1) or left == parts - done - 1):
+                pieces.append((cut, row + 1, (index + done) % lanes))
+                cut, done = row + 1, done + 1
+        pieces.append((cut, end, (index + done) % lanes))
+    return pieces
+
+
 def make_decode_group(
     row_start: int,
     block_tables: list[list[int]],
@@ -75,6 +105,7 @@ def make_decode_group(
     *,
     block_size: int,
     num_kv_heads: int,
+    lane: int = 0,
 ) -> DecodeGroup:
     """Index arrays for one decode group (lengths count the new token)."""
     batch = len(lengths)
@@ -90,6 +121,7 @@ def make_decode_group(
         row_end=row_start + batch,
         block_tables=mx.array(table),
         bias=_bias(visible.reshape(num_kv_heads * batch, 1, -1)),
+        lane=lane,
     )
 
 
@@ -178,22 +210,21 @@ def prefill_attention(
             mask="causal" if chunk.blocks is None else chunk.bias.astype(q.dtype),
         )
         return out[0].transpose(1, 0, 2).reshape(n, heads * dim)
-    # [kv_heads, group, n, D]: head h = kv * group + g reads KV head kv.
-    queries = q.reshape(n, kv_heads, heads // kv_heads, dim).transpose(1, 2, 0, 3)
-    keys, values = keys[:, None], values[:, None]
-    rows = max(16, _SCORE_BLOCK // (heads * keys.shape[2]))
+    # Head h = kv * group + g reads KV head kv; a KV head's query heads are folded into
+    # rows, [kv_heads, group * rows, D], so each product is a plain batched matmul.
+    group = heads // kv_heads
+    queries = (q * scale).reshape(n, kv_heads, group, dim).transpose(1, 2, 0, 3)
+    rows = max(16, _SCORE_BLOCK // (heads * keys.shape[1]))
     parts = []
     for r in range(0, n, rows):
-        # Causal: rows [r, r + rows) see no key past position start + r + rows - 1.
-        visible = min(keys.shape[2], chunk.start + r + rows)
-        parts.append(
-            _attend(
-                queries[:, :, r : r + rows],
-                keys[:, :, :visible],
-                values[:, :, :visible],
-                chunk.bias[r : r + rows, :visible],
-                scale,
-            )
-        )
+        m = min(rows, n - r)
+        # Causal: rows [r, r + m) see no key past position start + r + m - 1.
+        visible = min(keys.shape[1], chunk.start + r + m)
+        block = queries[:, :, r : r + m].reshape(kv_heads, group * m, dim)
+        scores = block @ keys[:, :visible].swapaxes(-1, -2)
+        scores = scores.astype(mx.float32).reshape(kv_heads, group, m, visible)
+        weights = fast_math.softmax(scores + chunk.bias[r : r + m, :visible])
+        weights = weights.astype(values.dtype).reshape(kv_heads, group * m, visible)
+        parts.append((weights @ values[:, :visible]).reshape(kv_heads, group, m, dim))
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
     return out.transpose(2, 0, 1, 3).reshape(n, heads * dim)

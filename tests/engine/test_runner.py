@@ -18,6 +18,7 @@ from engine import fast_math
 from engine.kv_pool import KVPool, size_pool
 from engine.loader import LoadedModel, UnsupportedModelError, check_config, load
 from engine.model_runner import ChunkInput, ModelRunner
+from engine.paged_attention import group_decodes, split_for_lanes
 
 BLOCK = 16
 
@@ -27,9 +28,9 @@ def loaded(tiny_model: Path) -> LoadedModel:
     return load(tiny_model)
 
 
-def _runner(loaded: LoadedModel) -> ModelRunner:
+def _runner(loaded: LoadedModel, *, lanes: int | None = None) -> ModelRunner:
     pool = KVPool(loaded.spec, num_blocks=64, block_size=BLOCK)
-    return ModelRunner(loaded.model, loaded.spec, pool)
+    return ModelRunner(loaded.model, loaded.spec, pool, lanes=lanes)
 
 
 def _chunk(tokens: list[int], start: int, n: int, table: list[int], samples: bool) -> ChunkInput:
@@ -74,6 +75,46 @@ def test_decodes_of_different_lengths_batch_together(loaded: LoadedModel) -> Non
     assert logits is not None
     for i, s in enumerate(seqs):
         np.testing.assert_allclose(np.array(logits[i]), _reference_logits(loaded, s), atol=2e-4)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_decode_lanes_give_the_same_logits(loaded: LoadedModel, lanes: int) -> None:
+    """Decode groups cut into lanes on separate streams: same logits as mlx-lm, any lane count."""
+    runner = _runner(loaded, lanes=lanes)
+    seqs = [_tokens(20 + i, n) for i, n in enumerate((90, 88, 60, 41, 40, 9, 3))]
+    tables = [[7 * i + j for j in range(7)] for i in range(len(seqs))]
+    runner.execute([_chunk(s, 0, len(s) - 1, t, False) for s, t in zip(seqs, tables, strict=True)])
+    step = [_chunk(s, len(s) - 1, 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+    # A prefill chunk rides along: decode lanes and prefill attention in one forward.
+    extra = _tokens(30, 20)
+    step.append(_chunk(extra, 0, 20, [60, 61], True))
+    logits = runner.execute(step)
+    assert logits is not None
+    for i, s in enumerate([*seqs, extra]):
+        np.testing.assert_allclose(np.array(logits[i]), _reference_logits(loaded, s), atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[90, 88, 60, 41, 40, 9, 3], [500], [7, 7], [300, 290, 280, 100, 90, 5, 4, 3, 2, 1], []],
+)
+@pytest.mark.parametrize("lanes", [1, 2, 3, 4])
+def test_lane_pieces_cover_each_group_in_order(lengths: list[int], lanes: int) -> None:
+    groups = group_decodes(lengths)
+    pieces = split_for_lanes(lengths, groups, lanes)
+    for start, end in groups:
+        mine = [p for p in pieces if start <= p[0] < end]
+        # Contiguous, non-empty runs that exactly cover the group, as many as rows and lanes allow.
+        assert [p[0] for p in mine] == [start] + [p[1] for p in mine[:-1]]
+        assert mine[-1][1] == end and all(a < b for a, b, _ in mine)
+        assert len(mine) == min(lanes, end - start)
+        assert len({lane for _, _, lane in mine}) == len(mine)
+        assert all(0 <= lane < lanes for _, _, lane in mine)
+    assert sum(b - a for a, b, _ in pieces) == len(lengths)
+    if lanes == 2 and lengths == [300, 290, 280, 100, 90, 5, 4, 3, 2, 1]:
+        # Cut by key length, not by row count: the longest rows make half the work.
+        first = next(p for p in pieces if p[0] == 0)
+        assert first[1] == 2
 
 
 def test_fast_exp_is_accurate_and_zero_weights_masked() -> None:
