@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from daemon.bench.limit import ModelFlops
-from daemon.bench.stats import Recorder
+from daemon.bench.stats import Recorder, StepRecord, step_profile
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.model_fixture import PRESETS
 
@@ -87,3 +87,14 @@ def test_recorder_counts_tokens_ttft_and_gaps() -> None:
     assert len(stats.ttft_s) == 2 and len(stats.itl_s) == 1 + 2
     assert stats.tok_s == pytest.approx(5 / stats.wall_s)
     assert set(stats.summary()) >= {"tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"}
+
+
+def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
+    steps = [StepRecord(0.010, 10, 0)] * 98 + [StepRecord(0.030, 1, 32), StepRecord(0.5, 0, 512)]
+    profile = step_profile(steps)
+    assert profile["steps"] == 100 and profile["steps_with_prefill"] == 1
+    # 980 gaps at 10 ms, 1 at 30 ms; the prefill-only step holds up no decode.
+    assert profile["gap_share_with_prefill"] == round(1 / 981, 4)
+    assert profile["step_p50_s"] == profile["step_p99_s"] == 0.010
+    assert profile["decode_only_p99_s"] == 0.010
+    assert profile["with_prefill_p50_s"] == 0.030

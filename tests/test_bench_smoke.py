@@ -102,6 +102,11 @@ def test_online_compares_latency_at_the_same_arrivals(bench_run: BenchRun) -> No
         assert figures["ttft_p99_s"] >= figures["ttft_p50_s"] > 0
         assert figures["itl_p99_s"] >= figures["itl_p50_s"] > 0
     assert set(online["ratios"]) == {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"}
+    # batchd reports its own steps (none of the warm-up's); BatchGenerator has none to report.
+    steps = online["systems"]["batchd"]["engine_steps"]
+    assert steps["steps"] > 0 and steps["step_p99_s"] >= steps["step_p50_s"] > 0
+    assert "engine_steps" not in online["systems"]["batchgen"]
+    assert "batchd's engine steps" in (bench_run.out / "report.md").read_text()
 
 
 def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> None:

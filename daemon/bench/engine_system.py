@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from daemon.bench.stats import StepRecord
 from daemon.bench.workloads import Request
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -37,6 +38,7 @@ class BatchdSystem:
 
     def __init__(self, model_path: Path, config: EngineConfig) -> None:
         self.engine = LLMEngine.from_pretrained(str(model_path), config)
+        self.steps: list[StepRecord] = []
 
     def add(self, request: Request) -> None:
         self.engine.add_request(
@@ -46,7 +48,12 @@ class BatchdSystem:
         )
 
     def step(self) -> list[tuple[str, int, bool]]:
-        return [(out.request_id, 1, out.finished) for out in self.engine.step()]
+        outputs = self.engine.step()
+        stats = self.engine.last_step_stats
+        self.steps.append(
+            StepRecord(stats.step_time_s, stats.num_decode_tokens, stats.num_prefill_tokens)
+        )
+        return [(out.request_id, 1, out.finished) for out in outputs]
 
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished())

@@ -85,11 +85,32 @@ def markdown(report: dict[str, Any]) -> str:
             )
         for key, reason in online["unavailable"].items():
             lines.append(f"| {LABELS[key]} | {reason} | | | | |")
+        steps = online["systems"].get(BATCHD, {}).get("engine_steps")
+        if steps:
+            lines += ["", _steps_line(steps)]
     q = report["workloads"].get("queue")
     if q is not None:
         lines += ["", _queue_line(q)]
     lines += ["", f"**{report['headline']}**", ""]
     return "\n".join(lines)
+
+
+def _steps_line(steps: dict[str, Any]) -> str:
+    """batchd's own step times in the online run, split by whether a step carried prefill."""
+
+    def ms(key: str) -> str:
+        return f"{steps[key] * 1e3:.1f}"
+
+    only = steps["decode_only_p50_s"]
+    spread = steps["decode_only_p99_s"] / only if only else 0.0
+    return (
+        "batchd's engine steps, weighted by the decodes each holds up: all p50 / p99 "
+        f"{ms('step_p50_s')} / {ms('step_p99_s')} ms; decode-only steps "
+        f"{ms('decode_only_p50_s')} / {ms('decode_only_p99_s')} ms ({spread:.2f}x: ITL p99 / p50 "
+        "with no prefill at all, machine jitter and batch sizes alone); steps carrying prefill "
+        f"{ms('with_prefill_p50_s')} / {ms('with_prefill_p99_s')} ms, "
+        f"{steps['gap_share_with_prefill']:.0%} of the gaps."
+    )
 
 
 def _queue_line(q: dict[str, Any]) -> str:

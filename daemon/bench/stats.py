@@ -80,9 +80,49 @@ class Recorder:
         )
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the engine timed it: how long, how many decodes it held up,
+    how many prefill tokens it carried."""
+
+    seconds: float
+    decodes: int
+    prefill_tokens: int
+
+
+def step_profile(steps: list[StepRecord]) -> dict[str, Any]:
+    """Step times weighted by the decodes each one holds up (one inter-token gap per decode).
+
+    Split by steps that carry prefill and steps that do not: the decode-only
+    steps' p99 / p50 is what ITL p99 / p50 would be with no prefill at all
+    (batch sizes that change, and the machine's own jitter), the part of the
+    ITL spread that a prefill bound cannot remove.
+    """
+    decode_only = [s for s in steps if s.decodes and not s.prefill_tokens]
+    with_prefill = [s for s in steps if s.decodes and s.prefill_tokens]
+
+    def weighted(part: list[StepRecord], q: float) -> float:
+        return percentile([s.seconds for s in part for _ in range(s.decodes)], q)
+
+    gaps = sum(s.decodes for s in steps)
+    return {
+        "steps": len(steps),
+        "steps_with_prefill": len(with_prefill),
+        "gap_share_with_prefill": round(sum(s.decodes for s in with_prefill) / gaps, 4)
+        if gaps
+        else 0.0,
+        "step_p50_s": round(weighted(steps, 50), 5),
+        "step_p99_s": round(weighted(steps, 99), 5),
+        "decode_only_p50_s": round(weighted(decode_only, 50), 5),
+        "decode_only_p99_s": round(weighted(decode_only, 99), 5),
+        "with_prefill_p50_s": round(weighted(with_prefill, 50), 5),
+        "with_prefill_p99_s": round(weighted(with_prefill, 99), 5),
+    }
+
+
 @dataclass
 class RunStats:
-    """One system's run of one workload."""
+    """One system's run of one workload; ``engine_steps`` when the system reports its steps."""
 
     requests: int
     finished: int
@@ -90,6 +130,7 @@ class RunStats:
     wall_s: float
     ttft_s: list[float]
     itl_s: list[float]
+    engine_steps: dict[str, Any] | None = None
 
     @property
     def tok_s(self) -> float:
@@ -97,7 +138,7 @@ class RunStats:
 
     def summary(self) -> dict[str, Any]:
         """The JSON figures: throughput, TTFT and ITL percentiles, raw TTFTs for the chart."""
-        return {
+        figures: dict[str, Any] = {
             "requests": self.requests,
             "finished": self.finished,
             "output_tokens": self.output_tokens,
@@ -109,3 +150,6 @@ class RunStats:
             "itl_p99_s": round(percentile(self.itl_s, 99), 5),
             "ttft_s": [round(t, 4) for t in self.ttft_s],
         }
+        if self.engine_steps is not None:
+            figures["engine_steps"] = self.engine_steps
+        return figures
