@@ -42,6 +42,7 @@ from engine.paged_attention import (
     prefill_attention,
     split_for_lanes,
 )
+from engine.weight_layout import lay_out_for_cpu
 
 # Most attention streams on a CPU: beyond a few, memory bandwidth is the limit.
 MAX_LANES = 4
@@ -99,6 +100,8 @@ class ModelRunner:
         self._scale = self._layers[0].self_attn.scale
         self._fast_math = fast_math.enabled()
         self._streams: dict[int, list[mx.Stream]] = {}
+        on_cpu = mx.default_device() == mx.cpu
+        self._tied_head = lay_out_for_cpu(model) if on_cpu else None
         fast_math.tune_malloc()
 
     def _lane_streams(self) -> list[mx.Stream]:
@@ -243,6 +246,8 @@ class ModelRunner:
     def _logits(self, hidden: mx.array) -> mx.array:
         inner = self.model.model
         hidden = inner.norm(hidden)
+        if self._tied_head is not None:
+            return hidden @ self._tied_head
         if getattr(self.model.args, "tie_word_embeddings", False):
             return inner.embed_tokens.as_linear(hidden)
         return self.model.lm_head(hidden)

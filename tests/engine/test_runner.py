@@ -19,6 +19,7 @@ from engine.kv_pool import KVPool, size_pool
 from engine.loader import LoadedModel, UnsupportedModelError, check_config, load
 from engine.model_runner import ChunkInput, ModelRunner
 from engine.paged_attention import group_decodes, split_for_lanes
+from engine.weight_layout import lay_out_for_cpu
 
 BLOCK = 16
 
@@ -115,6 +116,29 @@ def test_lane_pieces_cover_each_group_in_order(lengths: list[int], lanes: int) -
         # Cut by key length, not by row count: the longest rows make half the work.
         first = next(p for p in pieces if p[0] == 0)
         assert first[1] == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cpu_weight_layout_changes_no_result(
+    arch: str, tiny_model: Path, qwen3_model: Path
+) -> None:
+    """Weights re-laid for CPU BLAS: same shapes, and mlx-lm's own forward is bit-identical.
+    The llama fixture has its own lm_head, the qwen3 one ties it to the embedding."""
+    path = tiny_model if arch == "llama" else qwen3_model
+    fresh, relaid = load(path), load(path)
+    tokens = mx.array(_tokens(40, 50))[None]
+    before = np.array(fresh.model(tokens))
+    tied = lay_out_for_cpu(relaid.model)
+    lay_out_for_cpu(relaid.model)  # idempotent: a second pass changes nothing
+    assert (tied is not None) == fresh.model.args.tie_word_embeddings
+    q_proj = relaid.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.shape == fresh.model.layers[0].self_attn.q_proj.weight.shape
+    assert np.array_equal(np.array(relaid.model(tokens)), before)
+    if tied is not None:
+        embed = fresh.model.model.embed_tokens
+        assert np.array_equal(np.array(tied), np.array(embed.weight).T)
+        hidden = mx.random.normal((3, tied.shape[0]), key=mx.random.key(0))
+        assert np.array_equal(np.array(hidden @ tied), np.array(embed.as_linear(hidden)))
 
 
 def test_fast_exp_is_accurate_and_zero_weights_masked() -> None:
