@@ -17,7 +17,7 @@ import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine import fast_math
 from engine.kv_pool import KVPool, size_pool
 from engine.loader import LoadedModel, UnsupportedModelError, check_config, load
-from engine.model_runner import ChunkInput, ModelRunner
+from engine.model_runner import ROW_MULTIPLE, ChunkInput, ModelRunner, padded_rows
 from engine.paged_attention import group_decodes, split_for_lanes
 from engine.weight_layout import lay_out_for_cpu
 
@@ -76,6 +76,22 @@ def test_decodes_of_different_lengths_batch_together(loaded: LoadedModel) -> Non
     assert logits is not None
     for i, s in enumerate(seqs):
         np.testing.assert_allclose(np.array(logits[i]), _reference_logits(loaded, s), atol=2e-4)
+
+
+def test_padding_rows_touch_no_pool_slot(loaded: LoadedModel) -> None:
+    """5 real tokens run as 16 rows on CPU; only the 5 real slots of the pool are written."""
+    assert [padded_rows(n, 16) for n in (1, 3, 4, 5, 16, 17, 500)] == [1, 3, 16, 16, 16, 32, 512]
+    assert padded_rows(5, 1) == 5
+    runner = _runner(loaded)
+    assert runner._row_multiple == ROW_MULTIPLE  # tests run on the CPU
+    seq = _tokens(50, 5)
+    logits = runner.execute([_chunk(seq, 0, 5, [9], True)])
+    assert logits is not None
+    np.testing.assert_allclose(np.array(logits[0]), _reference_logits(loaded, seq), atol=2e-4)
+    for layer in range(loaded.spec.num_layers):
+        for pool in (runner.pool.k[layer], runner.pool.v[layer]):
+            written = np.abs(np.array(pool)).sum(axis=(0, 2)) > 0
+            assert np.flatnonzero(written).tolist() == list(range(9 * BLOCK, 9 * BLOCK + 5))
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
