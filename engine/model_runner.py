@@ -47,10 +47,11 @@ from engine.weight_layout import lay_out_for_cpu
 # Most attention streams on a CPU: beyond a few, memory bandwidth is the limit.
 MAX_LANES = 4
 
-# On CPU the packed batch is padded to a multiple of this many rows (from _MIN_PADDED rows
-# up): OpenBLAS's sgemm handles a partial block of 16 rows slowly. Measured on 2 cores, one
-# layer's projections: 12 rows 3.1 ms, 16 rows 1.7; 28 rows 4.1 ms, 32 rows 2.3; 44 rows
-# 4.9 ms, 48 rows 2.8. Below _MIN_PADDED rows the small products are cheaper as they are.
+# On CPU the packed batch, and the rows the output projection runs on, are padded to a
+# multiple of this many rows (from _MIN_PADDED rows up): OpenBLAS's sgemm handles a partial
+# block of 16 rows slowly. Measured on 2 cores, one layer's projections: 12 rows 3.1 ms,
+# 16 rows 1.7; 28 rows 4.1 ms, 32 rows 2.3; the 32000-wide output projection: 12 rows
+# 17.3 ms, 16 rows 8.5. Below _MIN_PADDED rows the small products are cheaper as they are.
 ROW_MULTIPLE = 16
 _MIN_PADDED = 4
 
@@ -147,6 +148,8 @@ class ModelRunner:
         if plan.sample_order != sorted(plan.sample_order):
             # Sampled rows come out in packed order; hand them back in chunk order.
             logits = logits[mx.array(np.argsort(plan.sample_order).astype(np.int32))]
+        elif logits.shape[0] > len(plan.sample_order):
+            logits = logits[: len(plan.sample_order)]  # drop the padding rows
         return logits
 
     def _plan(self, chunks: Sequence[ChunkInput]) -> _Plan:
@@ -197,8 +200,13 @@ class ModelRunner:
                 )
             )
             row += len(c.token_ids)
-        # Padding rows: token 0 at position 0, never written to the pool nor attended.
+        # Padding rows: token 0 at position 0, never written to the pool nor attended; the
+        # output projection runs on padded rows too (repeats of row 0, dropped after).
         padding = padded_rows(len(tokens), self._row_multiple) - len(tokens)
+        if sample_rows:
+            sample_rows += [0] * (
+                padded_rows(len(sample_rows), self._row_multiple) - len(sample_rows)
+            )
         return _Plan(
             tokens=mx.array(np.asarray(tokens + [0] * padding, dtype=np.int32)),
             positions=mx.array(np.asarray(positions + [0] * padding, dtype=np.int32)),

@@ -92,6 +92,16 @@ def test_padding_rows_touch_no_pool_slot(loaded: LoadedModel) -> None:
         for pool in (runner.pool.k[layer], runner.pool.v[layer]):
             written = np.abs(np.array(pool)).sum(axis=(0, 2)) > 0
             assert np.flatnonzero(written).tolist() == list(range(9 * BLOCK, 9 * BLOCK + 5))
+    # Five decodes already in packed order: the output projection's padding rows are dropped.
+    seqs = [_tokens(60 + i, n) for i, n in enumerate((40, 30, 20, 10, 6))]
+    tables = [[10 + 3 * i, 11 + 3 * i, 12 + 3 * i] for i in range(5)]
+    runner.execute([_chunk(s, 0, len(s) - 1, t, False) for s, t in zip(seqs, tables, strict=True)])
+    logits = runner.execute(
+        [_chunk(s, len(s) - 1, 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+    )
+    assert logits is not None and logits.shape == (5, loaded.spec.vocab_size)
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(np.array(logits[i]), _reference_logits(loaded, s), atol=2e-4)
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
