@@ -34,8 +34,11 @@ WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
 
 # batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (a step
 # carrying 512 prefill tokens takes ~9x a decode step on bench-small, and every running decode
-# waits for it). The throughput workloads keep the engine settings' value (default: no bound).
-ONLINE_MAX_PREFILL_TOKENS = 32
+# waits for it). 64 rather than 32: in interleaved runs on 2 cores, 32 tokens gave ITL p99/p50
+# 1.9-2.0x but a TTFT p99 at or above BatchGenerator's (prompts arriving together wait for
+# each other's chunks); 64 gave 2.3x and TTFT p99 0.7x BatchGenerator's. The throughput
+# workloads keep the engine settings' value (default: no bound).
+ONLINE_MAX_PREFILL_TOKENS = 64
 
 
 @dataclass(frozen=True)
