@@ -63,10 +63,8 @@ def padded_rows(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def default_lanes() -> int:
-    """Attention streams to use: one per core (up to MAX_LANES) on CPU, one elsewhere."""
-    if mx.default_device() != mx.cpu:
-        return 1
+def cpu_lanes() -> int:
+    """Attention streams to use on a CPU: one per core, up to MAX_LANES."""
     return max(1, min(MAX_LANES, os.cpu_count() or 1))
 
 
@@ -108,14 +106,14 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.pool = pool
-        self.lanes = default_lanes() if lanes is None else lanes
+        on_cpu = mx.default_device() == mx.cpu
+        self.lanes = lanes if lanes is not None else cpu_lanes() if on_cpu else 1
         if self.lanes < 1:
             raise ValueError(f"lanes={self.lanes} must be >= 1")
         self._layers = model.layers
         self._scale = self._layers[0].self_attn.scale
         self._fast_math = fast_math.enabled()
         self._streams: dict[int, list[mx.Stream]] = {}
-        on_cpu = mx.default_device() == mx.cpu
         self._tied_head = lay_out_for_cpu(model) if on_cpu else None
         self._row_multiple = ROW_MULTIPLE if on_cpu else 1
         fast_math.tune_malloc()

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from daemon.bench.limit import ModelFlops
-from daemon.bench.stats import Recorder, StepRecord, step_profile
+from daemon.bench.stats import Recorder, step_profile
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.model_fixture import PRESETS
+from engine.outputs import StepStats
 
 BENCH_SMALL = PRESETS["bench-small"]
 
@@ -90,7 +91,12 @@ def test_recorder_counts_tokens_ttft_and_gaps() -> None:
 
 
 def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
-    steps = [StepRecord(0.010, 10, 0)] * 98 + [StepRecord(0.030, 1, 32), StepRecord(0.5, 0, 512)]
+    def step(seconds: float, decodes: int, prefill: int) -> StepStats:
+        return StepStats(
+            step=0, step_time_s=seconds, num_decode_tokens=decodes, num_prefill_tokens=prefill
+        )
+
+    steps = [step(0.010, 10, 0)] * 98 + [step(0.030, 1, 32), step(0.5, 0, 512)]
     profile = step_profile(steps)
     assert profile["steps"] == 100 and profile["steps_with_prefill"] == 1
     # 980 gaps at 10 ms, 1 at 30 ms; the prefill-only step holds up no decode.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.bench.stats import StepRecord
 from daemon.bench.workloads import Request
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.outputs import StepStats
 
 
 def bench_engine_config(
@@ -38,7 +38,7 @@ class BatchdSystem:
 
     def __init__(self, model_path: Path, config: EngineConfig) -> None:
         self.engine = LLMEngine.from_pretrained(str(model_path), config)
-        self.steps: list[StepRecord] = []
+        self.steps: list[StepStats] = []  # every step's figures, for the online step profile
 
     def add(self, request: Request) -> None:
         self.engine.add_request(
@@ -49,10 +49,7 @@ class BatchdSystem:
 
     def step(self) -> list[tuple[str, int, bool]]:
         outputs = self.engine.step()
-        stats = self.engine.last_step_stats
-        self.steps.append(
-            StepRecord(stats.step_time_s, stats.num_decode_tokens, stats.num_prefill_tokens)
-        )
+        self.steps.append(self.engine.last_step_stats)
         return [(out.request_id, 1, out.finished) for out in outputs]
 
     def has_unfinished(self) -> bool:

@@ -9,12 +9,14 @@ one request.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
+
+from engine.outputs import StepStats
 
 
 @dataclass
@@ -80,17 +82,7 @@ class Recorder:
         )
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step as the engine timed it: how long, how many decodes it held up,
-    how many prefill tokens it carried."""
-
-    seconds: float
-    decodes: int
-    prefill_tokens: int
-
-
-def step_profile(steps: list[StepRecord]) -> dict[str, Any]:
+def step_profile(steps: Sequence[StepStats]) -> dict[str, Any]:
     """Step times weighted by the decodes each one holds up (one inter-token gap per decode).
 
     Split by steps that carry prefill and steps that do not: the decode-only
@@ -98,17 +90,17 @@ def step_profile(steps: list[StepRecord]) -> dict[str, Any]:
     (batch sizes that change, and the machine's own jitter), the part of the
     ITL spread that a prefill bound cannot remove.
     """
-    decode_only = [s for s in steps if s.decodes and not s.prefill_tokens]
-    with_prefill = [s for s in steps if s.decodes and s.prefill_tokens]
+    decode_only = [s for s in steps if s.num_decode_tokens and not s.num_prefill_tokens]
+    with_prefill = [s for s in steps if s.num_decode_tokens and s.num_prefill_tokens]
 
-    def weighted(part: list[StepRecord], q: float) -> float:
-        return percentile([s.seconds for s in part for _ in range(s.decodes)], q)
+    def weighted(part: Sequence[StepStats], q: float) -> float:
+        return percentile([s.step_time_s for s in part for _ in range(s.num_decode_tokens)], q)
 
-    gaps = sum(s.decodes for s in steps)
+    gaps = sum(s.num_decode_tokens for s in steps)
     return {
         "steps": len(steps),
         "steps_with_prefill": len(with_prefill),
-        "gap_share_with_prefill": round(sum(s.decodes for s in with_prefill) / gaps, 4)
+        "gap_share_with_prefill": round(sum(s.num_decode_tokens for s in with_prefill) / gaps, 4)
         if gaps
         else 0.0,
         "step_p50_s": round(weighted(steps, 50), 5),

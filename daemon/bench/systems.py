@@ -18,8 +18,9 @@ import mlx.core as mx
 from daemon.bench import peers
 from daemon.bench.drive import StepSystem, run_offline, run_timed
 from daemon.bench.progress import Progress
-from daemon.bench.stats import Recorder, RunStats, StepRecord, step_profile
+from daemon.bench.stats import Recorder, RunStats, step_profile
 from daemon.bench.workloads import Scale, Workload, warmup
+from engine.outputs import StepStats
 
 BATCHD = "batchd"
 BATCHGEN = "batchgen"
@@ -147,7 +148,7 @@ class Systems:
         label = f"{workload.name} / {LABELS[key]}"
         run_offline(system, warm, self._recorder(label, len(warm.requests), warmup=True))
         # batchd's engine reports its steps (the warm-up's are left out); BatchGenerator does not.
-        steps: list[StepRecord] | None = getattr(system, "steps", None)
+        steps: list[StepStats] | None = getattr(system, "steps", None)
         first = len(steps) if steps is not None else 0
         stats = run_timed(system, workload, arrivals, self._recorder(label, len(workload.requests)))
         if steps is not None:
