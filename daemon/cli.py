@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from config import Settings, SettingsError, load_settings
 
 COMMAND_MODULES = (
-    "producers.cli",
-    "daemon.model_cmd",
-    "daemon.serve_cmd",
-    "daemon.demo_cmd",
-    "daemon.bench_cmd",
+    "producers.commands.jobs",
+    "producers.commands.bulk",
+    "producers.commands.top",
+    "daemon.commands.model",
+    "daemon.commands.serve",
+    "daemon.commands.demo",
+    "daemon.commands.bench",
 )
 
 

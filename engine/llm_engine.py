@@ -24,17 +24,17 @@ import mlx.core as mx
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.kv_pool import KVPool, size_pool
-from engine.loader import LoadedModel, load
-from engine.model_runner import ChunkInput, ModelRunner
+from engine.forward.kv_pool import KVPool, size_pool
+from engine.forward.model_runner import ChunkInput, ModelRunner
+from engine.models.loader import LoadedModel, load
 from engine.outputs import ChunkStat, RequestOutput, StepStats
 from engine.request_state import RequestState
 from engine.sampler import REPETITION_CONTEXT, SampleRow, sample
 from engine.sampling_params import SamplingParams
-from engine.schedule import SchedulerOutput
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason
-from engine.sequence import Sequence as Seq
+from engine.scheduling.schedule import SchedulerOutput
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import FinishReason
+from engine.scheduling.sequence import Sequence as Seq
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
 

@@ -47,6 +47,6 @@ def fake_redis() -> Iterator[fakeredis.FakeRedis]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` llama fixture model, built once per test session."""
-    from engine.model_fixture import FixtureSpec, make_model
+    from engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", FixtureSpec(preset="tiny"))

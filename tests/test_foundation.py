@@ -101,7 +101,7 @@ def _digest(directory: Path) -> dict[str, str]:
 def test_make_model_is_deterministic_and_loads(tiny_model: Path, tmp_path: Path) -> None:
     import mlx_lm
 
-    from engine.model_fixture import FixtureSpec, make_model
+    from engine.models.model_fixture import FixtureSpec, make_model
 
     again = make_model(tmp_path / "again", FixtureSpec(preset="tiny"))
     assert _digest(again) == _digest(tiny_model)
@@ -121,7 +121,7 @@ def test_make_model_is_deterministic_and_loads(tiny_model: Path, tmp_path: Path)
 def test_make_model_other_arch_and_quantized(tmp_path: Path, arch: str) -> None:
     import mlx_lm
 
-    from engine.model_fixture import FixtureSpec, make_model
+    from engine.models.model_fixture import FixtureSpec, make_model
 
     q3 = make_model(tmp_path / arch, FixtureSpec(arch=arch))
     model, tokenizer = mlx_lm.load(str(q3))

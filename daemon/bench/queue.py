@@ -44,7 +44,7 @@ from daemon.bench.systems import BATCHD, Systems, SystemUnavailable, longest_req
 from daemon.bench.workloads import Workload
 from producers.client import Client, follow
 
-_SERVE_MODULE = "daemon.serve_cmd"
+_SERVE_MODULE = "daemon.commands.serve"
 _QUEUE = "bench"
 _PREFIX = "batchd-bench"
 _START_TIMEOUT_S = 180.0

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from daemon_harness import ENGINE_OPTS
+
+from support.daemon_harness import ENGINE_OPTS
 
 if TYPE_CHECKING:
     from engine import LLMEngine

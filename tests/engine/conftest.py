@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `tiny`-shaped qwen3 model (q/k norms, tied embeddings)."""
-    from engine.model_fixture import FixtureSpec, make_model
+    from engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "qwen3", FixtureSpec(arch="qwen3"))
 
@@ -18,6 +18,6 @@ def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` llama, 4-bit quantized by mlx-lm's converter."""
-    from engine.model_fixture import FixtureSpec, make_model
+    from engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "q4", FixtureSpec(quantize_bits=4))

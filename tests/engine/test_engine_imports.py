@@ -8,10 +8,10 @@ import sys
 PURE_MODULES = (
     "engine.config",
     "engine.sampling_params",
-    "engine.sequence",
-    "engine.block_manager",
-    "engine.schedule",
-    "engine.scheduler",
+    "engine.scheduling.sequence",
+    "engine.scheduling.block_manager",
+    "engine.scheduling.schedule",
+    "engine.scheduling.scheduler",
 )
 
 PROBE = """

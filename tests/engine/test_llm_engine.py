@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
-from engine.loader import LoadedModel, load
+from engine.models.loader import LoadedModel, load
 
 PROMPT = list(range(100, 160))
 

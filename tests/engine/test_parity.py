@@ -20,7 +20,7 @@ from parity_harness import (
 
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel, load
+from engine.models.loader import LoadedModel, load
 
 VOCAB = 1024
 

@@ -18,7 +18,7 @@ import pytest
 
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import LoadedModel, load
+from engine.models.loader import LoadedModel, load
 
 MAX_TOKENS = 48
 INCOMPLETE = "\ufffd"

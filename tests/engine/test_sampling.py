@@ -15,7 +15,7 @@ import pytest
 
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import LoadedModel, load
+from engine.models.loader import LoadedModel, load
 from engine.sampler import SampleRow, position_uniform, sample
 
 VOCAB = 50

@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 
 from daemon.cli import main
 from producers.bulk import ResultFile, line_job_id, parse_line, rq_queue, run_bulk
-from producers.bulk_cli import follow_progress
+from producers.commands.bulk import follow_progress
 from producers.errors import BulkBusy, ValidationError
 from support.fake_daemon import FakeDaemon, expected_text
 from support.redis_server import RedisServer

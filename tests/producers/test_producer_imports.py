@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_producer_modules_do_not_import_mlx() -> None:
     code = (
         "import sys\n"
-        "import producers, producers.client, producers.aio, producers.bulk, producers.cli, config\n"
+        "import producers, producers.client, producers.aio, producers.bulk, config\n"
+        "import producers.commands.jobs, producers.commands.bulk, producers.commands.top\n"
         "from daemon.cli import build_parser\n"
         "build_parser().parse_args(['schema'])\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in {'mlx', 'mlx_lm'})\n"

@@ -18,8 +18,8 @@ import pytest
 
 from config import Settings, load_settings
 from daemon.cli import main
-from daemon.generator import JobStart, Load, StepView, TokenOut
-from daemon.worker import Worker
+from daemon.worker.generator import JobStart, Load, StepView, TokenOut
+from daemon.worker.loop import Worker
 from producers.client import Client
 from producers.keys import CONSUMER_GROUP, Keys
 from producers.schema import FinishReason, JobRequest

@@ -1,0 +1,147 @@
+"""``batchd bench``: batchd's engine and its peers on the same model and requests.
+
+Runs the selected workloads against mlx-lm's BatchGenerator, mlx-lm
+sequential generation and static batching in one process, writes
+report.json / report.md / report.png, and prints the headline ratios as the
+last line. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from config import Settings
+
+MODEL_CACHE = Path(".batchd/models")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark batchd against mlx-lm's BatchGenerator, sequential and static batching",
+        description="Run batchd's engine and its peers on the same model and seeded requests, "
+        "side by side, and report throughput ratios, latency and model-FLOPs utilisation.",
+    )
+    p.add_argument(
+        "--workload",
+        default="all",
+        choices=["mixed", "shared-prefix", "online", "queue", "all"],
+        help="which workload to run (default: all)",
+    )
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", metavar="PATH", help="a model directory (mlx-lm format)")
+    model.add_argument(
+        "--preset",
+        choices=["tiny", "bench-small", "bench-1b"],
+        help=f"a random-weight fixture model, built into {MODEL_CACHE}/NAME if absent "
+        "(default: bench-small)",
+    )
+    p.add_argument("--out", default="bench-out", metavar="DIR", help="report folder")
+    p.add_argument(
+        "--quick", action="store_true", help="smaller workloads (a few minutes on 2 CPU cores)"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="batchd's running-sequence cap, and BatchGenerator's completion_batch_size "
+        "(default: engine.max_num_seqs from settings)",
+    )
+    p.add_argument(
+        "--online-max-prefill-tokens",
+        type=_prefill_bound,
+        default=argparse.SUPPRESS,
+        metavar="N|none",
+        help="batchd's engine.max_prefill_tokens_with_decodes in the online workload, a latency "
+        "setting (default: 64; none: no bound); the throughput workloads take the engine "
+        "settings' value",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
+    p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _prefill_bound(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or none, got {text!r}")
+    return value
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The model directory and its label; builds the preset's fixture if missing."""
+    if args.model:
+        path = Path(args.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {args.model}: no config.json in that folder")
+        return path, path.name
+    preset = args.preset or "bench-small"
+    path = MODEL_CACHE / preset
+    if not (path / "config.json").is_file():
+        from engine.models.model_fixture import FixtureSpec, make_model
+
+        print(f"[bench] building the {preset} model in {path} ...", file=sys.stderr)
+        make_model(path, FixtureSpec(preset=preset))
+    return path, preset
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        from daemon.bench.progress import Progress
+        from daemon.bench.report import write_report
+        from daemon.bench.runner import (
+            ONLINE_MAX_PREFILL_TOKENS,
+            WORKLOADS,
+            BenchOptions,
+            run_bench,
+        )
+        from daemon.bench.workloads import SCALES
+    except ImportError as exc:
+        print(
+            f"batchd bench needs the daemon and bench extras "
+            f"(pip install 'batchd[daemon,bench]'): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        model_path, label = resolve_model(args)
+    except FileNotFoundError as exc:
+        print(f"batchd bench: {exc}", file=sys.stderr)
+        return 2
+    scale = args.scale or ("quick" if args.quick else "full")
+    max_num_seqs = args.max_num_seqs or settings.engine.max_num_seqs
+    # Absent unless given (argparse.SUPPRESS), so that "none" can mean no bound.
+    online_bound = getattr(args, "online_max_prefill_tokens", ONLINE_MAX_PREFILL_TOKENS)
+    options = BenchOptions(
+        model_path=model_path,
+        model_label=label,
+        workloads=WORKLOADS if args.workload == "all" else (args.workload,),
+        scale=SCALES[scale],
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+        redis_url=settings.redis_url,
+        seed=args.seed,
+        max_prefill_tokens_with_decodes=settings.engine.max_prefill_tokens_with_decodes,
+        online_max_prefill_tokens_with_decodes=online_bound,
+        command=(
+            f"batchd bench --workload {args.workload} "
+            + (f"--model {args.model}" if args.model else f"--preset {label}")
+            + (" --quick" if scale == "quick" else "")
+            + f" --max-num-seqs {max_num_seqs} --seed {args.seed}"
+            + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
+        ),
+    )
+    report = run_bench(options, Progress())
+    paths = write_report(report, Path(args.out))
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    print(report["headline"])
+    return 0

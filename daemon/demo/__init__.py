@@ -1,0 +1,1 @@
+"""``batchd demo``: a daemon, producers and live token streams in one process."""

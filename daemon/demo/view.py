@@ -1,0 +1,102 @@
+"""What ``batchd demo`` shows: a live line per job, engine steps, and a summary.
+
+On a terminal each job's line is redrawn in place (ANSI cursor moves); when
+stdout is a pipe or a file, or with ``--show-steps``, plain lines are
+printed instead: one per job whenever it got new tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from daemon.worker.generator import StepView
+
+TEXT_WIDTH = 48
+
+
+@dataclass
+class JobLine:
+    job_id: str
+    max_tokens: int
+    tokens: int = 0
+    text: str = ""
+    finish: str | None = None
+    shown: tuple[int, str | None] = (0, None)
+
+    def render(self) -> str:
+        width = 20
+        filled = width * self.tokens // max(self.max_tokens, 1)
+        bar = "#" * filled + "." * (width - filled)
+        tail = self.text.replace("\n", " ").replace("\r", " ")[-TEXT_WIDTH:]
+        end = f" [{self.finish}]" if self.finish else ""
+        return f"{self.job_id:<7} [{bar}] {self.tokens:>3}/{self.max_tokens:<3} {tail!r}{end}"
+
+
+@dataclass
+class LiveView:
+    """Thread-safe: subscriber threads add tokens, the main thread draws."""
+
+    lines: dict[str, JobLine]
+    out: TextIO = sys.stdout
+    redraw: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _drawn: int = 0
+
+    def token(self, job_id: str, text: str) -> None:
+        with self.lock:
+            line = self.lines[job_id]
+            line.tokens += 1
+            line.text += text
+
+    def finished(self, job_id: str, reason: str) -> None:
+        with self.lock:
+            self.lines[job_id].finish = reason
+
+    def draw(self) -> None:
+        with self.lock:
+            if self.redraw:
+                if self._drawn:
+                    self.out.write(f"\x1b[{self._drawn}F")
+                for line in self.lines.values():
+                    self.out.write("\x1b[2K" + line.render() + "\n")
+                self._drawn = len(self.lines)
+            else:
+                for line in self.lines.values():
+                    if (line.tokens, line.finish) != line.shown:
+                        self.out.write(line.render() + "\n")
+                        line.shown = (line.tokens, line.finish)
+            self.out.flush()
+
+
+def step_line(number: int, view: StepView | None, names: dict[str, str]) -> str:
+    """One engine step as a line: who decodes, who prefills how many tokens, who was preempted."""
+    if view is None:
+        return f"step {number:>4}"
+    decodes = " ".join(names.get(j, j) for j in view.decodes) or "-"
+    prefills = " ".join(f"{names.get(j, j)}({n})" for j, n in view.prefills) or "-"
+    text = f"step {number:>4} | {view.num_batched_tokens:>3} tok"
+    text += f" | decode: {decodes} | prefill: {prefills}"
+    if view.preempted:
+        text += " | preempted: " + " ".join(names.get(j, j) for j in view.preempted)
+    return text
+
+
+def summary(
+    *,
+    jobs: int,
+    tokens: int,
+    seconds: float,
+    steps: int,
+    batch_sizes: Counter[int],
+    redis_kind: str,
+) -> str:
+    sizes = ", ".join(f"{size}:{count}" for size, count in sorted(batch_sizes.items()))
+    return (
+        f"\n{jobs} jobs, {tokens} tokens in {seconds:.1f}s = {tokens / max(seconds, 1e-9):.0f} "
+        f"tokens/s over {steps} engine steps (Redis: {redis_kind})\n"
+        f"batch sizes seen (sequences per step: steps): {sizes}\n"
+    )

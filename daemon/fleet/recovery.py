@@ -1,0 +1,144 @@
+"""Taking over the jobs of dead daemons, never those of live ones.
+
+A pending entry looks idle while its daemon generates for minutes, so idle
+time alone proves nothing. The claim script checks, atomically with the
+XCLAIM, that the owner's heartbeat key is gone: a live daemon refreshes it
+every ``heartbeat_interval_s``, a dead one's expires after ``heartbeat_ttl_s``.
+Claimed entries are then picked up like new ones: their events streams say
+where each job stopped. A restarted daemon with a configured (stable)
+consumer name first reads its own pending entries back (XREADGROUP from 0).
+Dead consumers left with nothing pending are removed from the group (names
+are host:pid by default, so every restart leaves one behind).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+
+from daemon.worker.jobs import Delivery
+from producers.keys import CONSUMER_GROUP, Keys
+
+log = logging.getLogger(__name__)
+
+# How many pending entries one claim pass looks at (live daemons' entries included).
+SCAN = 1000
+
+# Every script gets ARGV: heartbeat key prefix, group, this consumer, min idle ms, then
+# its own. One rule says who is dead, so claiming and forgetting never disagree: the
+# heartbeat key is gone (expired, or deleted at a graceful stop).
+_DEAD = """
+local function dead(name) return redis.call('EXISTS', ARGV[1] .. name) == 0 end
+"""
+
+# KEYS[1] queue stream; ARGV[5] most to claim, ARGV[6] how many pending entries to scan.
+# Returns {entry id, delivery count, previous owner, {field, value, ...}} per claimed entry.
+_CLAIM = (
+    _DEAD
+    + """
+local out = {}
+local want = tonumber(ARGV[5])
+local pending = redis.call('XPENDING', KEYS[1], ARGV[2], 'IDLE', ARGV[4], '-', '+', ARGV[6])
+for _, entry in ipairs(pending) do
+  if #out >= want then break end
+  local owner = entry[2]
+  if owner ~= ARGV[3] and dead(owner) then
+    local claimed = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[4], entry[1])
+    if #claimed > 0 then
+      table.insert(out, {entry[1], entry[4] + 1, owner, claimed[1][2]})
+    end
+  end
+end
+return out
+"""
+)
+
+# KEYS[1] queue stream. Returns how many consumers were removed.
+_FORGET = (
+    _DEAD
+    + """
+local gone = 0
+for _, info in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[2])) do
+  local c = {}
+  for i = 1, #info, 2 do c[info[i]] = info[i + 1] end
+  if c['name'] ~= ARGV[3] and c['pending'] == 0 and c['idle'] > tonumber(ARGV[4])
+     and dead(c['name']) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[2], c['name'])
+    gone = gone + 1
+  end
+end
+return gone
+"""
+)
+
+
+class Recovery:
+    """Own pending entries at start, claims from consumers whose heartbeat expired,
+    and forgetting those consumers once they hold nothing."""
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, consumer: str, heartbeat_ttl_s: float
+    ) -> None:
+        self.redis = client
+        self.keys = keys
+        self.consumer = consumer
+        # Besides the heartbeat check: nothing idle for less than a heartbeat TTL is touched.
+        self.min_idle_ms = int(heartbeat_ttl_s * 1000)
+        self._claim = client.register_script(_CLAIM)
+        self._forget = client.register_script(_FORGET)
+
+    def own_pending(self, queue: str) -> list[Delivery]:
+        """Entries this consumer name already holds (a restart under a stable name)."""
+        stream = self.keys.queue(queue)
+        out: list[Delivery] = []
+        last = "0"
+        while True:
+            reply: Any = self.redis.xreadgroup(
+                CONSUMER_GROUP, self.consumer, {stream: last}, count=100
+            )
+            entries = reply[0][1] if reply else []
+            if not entries:
+                break
+            ids = [entry_id for entry_id, _ in entries]
+            pending: Any = self.redis.xpending_range(
+                stream, CONSUMER_GROUP, ids[0], ids[-1], len(ids), consumername=self.consumer
+            )
+            counts = {p["message_id"]: p["times_delivered"] for p in pending}
+            for entry_id, fields in entries:
+                if fields is None:  # deleted from the stream while pending
+                    self.redis.xack(stream, CONSUMER_GROUP, entry_id)
+                    continue
+                out.append(
+                    Delivery(queue, entry_id.decode(), fields, deliveries=counts.get(entry_id, 1))
+                )
+            last = ids[-1].decode()
+        if out:
+            log.info("recovered %d own pending job(s) on queue %s", len(out), queue)
+        return out
+
+    def claim(self, queue: str, *, limit: int) -> list[Delivery]:
+        """Up to ``limit`` entries of dead consumers on ``queue``, now owned by this one."""
+        if limit <= 0:
+            return []
+        rows = self._claim(keys=[self.keys.queue(queue)], args=self._args(limit, SCAN))
+        out = []
+        for entry_id, deliveries, owner, flat in rows:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            out.append(Delivery(queue, entry_id.decode(), fields, deliveries=int(deliveries)))
+            log.warning(
+                "claimed job entry %s on queue %s from dead consumer %s",
+                entry_id.decode(),
+                queue,
+                owner.decode(),
+            )
+        return out
+
+    def forget_dead(self, queue: str) -> int:
+        """Remove dead consumers with nothing pending from ``queue``'s group; returns how many."""
+        gone: int = self._forget(keys=[self.keys.queue(queue)], args=self._args())
+        return gone
+
+    def _args(self, *extra: int) -> list[str | int]:
+        return [self.keys.daemon(""), CONSUMER_GROUP, self.consumer, self.min_idle_ms, *extra]

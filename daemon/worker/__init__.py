@@ -1,0 +1,1 @@
+"""The worker: one daemon's loop and its parts (intake, pickup, control, publish, the engine)."""

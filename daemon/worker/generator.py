@@ -1,0 +1,104 @@
+"""What the daemon needs from an engine, as a small Protocol.
+
+The worker loop talks to a ``Generator`` only: tokenize a job, start it
+(possibly resuming with tokens a previous daemon already published, see
+``JobStart``), abort it, step, and report load. :mod:`daemon.worker.mlx_generator` adapts
+``engine.LLMEngine`` to it; tests drive the loop with a deterministic fake.
+Every call happens on the engine thread (MLX streams are thread-local).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from producers.schema import FinishReason, JobRequest
+
+
+class JobRejected(ValueError):
+    """The engine can never run this job (too long for the model, bad sampling values)."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        self.job_id = job_id
+        self.reason = reason
+        super().__init__(f"job {job_id}: {reason}")
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """A job to admit: its request, prompt ids, and outputs it already published.
+
+    ``emitted`` is non-empty when a job resumes after a crash: those tokens count
+    as produced and are not emitted again; the text of their events is what was
+    delivered, and the next outputs carry on exactly as an uninterrupted run
+    (text that was still held back then comes with the next output).
+    """
+
+    job_id: str
+    request: JobRequest
+    prompt_token_ids: list[int]
+    emitted: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One output of a step: a new token of a job, and/or its end."""
+
+    job_id: str
+    token_id: int | None
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class StepView:
+    """The packed batch of one step, for ``batchd demo --show-steps`` and the heartbeat.
+
+    ``prefills`` maps job id -> tokens of its prompt computed this step.
+    """
+
+    decodes: tuple[str, ...] = ()
+    prefills: tuple[tuple[str, int], ...] = ()
+    preempted: tuple[str, ...] = ()
+    num_batched_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Load:
+    """How busy the engine is (for backpressure and the heartbeat)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class Generator(Protocol):
+    """The engine as the daemon sees it."""
+
+    def encode(self, job_id: str, request: JobRequest) -> list[int]:
+        """Prompt token ids of a job (chat template applied); raises JobRejected."""
+        ...
+
+    def start(self, job: JobStart) -> FinishReason | None:
+        """Admit a job. Returns the finish reason instead when its ``emitted`` outputs
+        already end it (a crash just before its final event). Raises JobRejected."""
+        ...
+
+    def abort(self, job_id: str) -> None:
+        """Drop a job and free its blocks; no output follows."""
+        ...
+
+    def step(self) -> list[TokenOut]:
+        """Run one engine step; the outputs of every job that advanced."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def load(self) -> Load: ...
+
+    def last_step(self) -> StepView | None:
+        """The batch the last step packed, if the engine reports it."""
+        ...

@@ -1,0 +1,381 @@
+"""The daemon's loop: intake, control, step, publish, then claims at their own interval.
+
+Everything here runs on one thread, the engine thread (MLX streams are
+thread-local); only the heartbeat has a thread (and a connection) of its own.
+A busy step costs one Redis round trip: the publish pipeline also carries the
+cancellation read and the intake read (see daemon.worker.intake); only new jobs'
+pickup adds one, and only an idle daemon blocks on Redis.
+Signals set a flag: intake stops, running jobs get the grace period to
+finish, the rest stay pending in the group (their published events are the
+checkpoint), and ``run`` returns.
+
+While Redis is away the engine keeps stepping: new tokens wait in each job's
+outbox, in order, and the publisher retries with backoff (capped at
+``daemon.redis_retry_max_s``); intake, cancellations and claims wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from config import Settings
+from daemon.fleet.heartbeat import Heartbeat
+from daemon.fleet.housekeeping import trim_acked
+from daemon.fleet.recovery import Recovery
+from daemon.worker import crashpoint
+from daemon.worker.control import Cancellations
+from daemon.worker.generator import Generator, JobRejected, JobStart, StepView, TokenOut
+from daemon.worker.intake import Intake
+from daemon.worker.jobs import Delivery, Job
+from daemon.worker.metrics import Meter
+from daemon.worker.pickup import Pickup, PickupPolicy
+from daemon.worker.publisher import Piggyback, Publisher
+from daemon.worker.redis_io import REDIS_DOWN, Backoff, connect
+from producers.keys import CONSUMER_GROUP, Keys
+from producers.schema import FinishReason
+
+log = logging.getLogger(__name__)
+
+StepObserver = Callable[[StepView | None, list[TokenOut]], None]
+
+
+class Worker:
+    """One daemon: a consumer in the group of each of its queues, driving one Generator."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        generator: Generator,
+        *,
+        consumer: str,
+        on_step: StepObserver | None = None,
+    ) -> None:
+        self.settings = settings
+        self.gen = generator
+        self.consumer = consumer
+        self.on_step = on_step
+        self.keys = Keys(settings.key_prefix)
+        self.queues = list(settings.queues)
+        self.redis = connect(settings)
+        opts = settings.daemon
+        self.jobs: dict[str, Job] = {}
+        self.publisher = Publisher(self.redis, self.keys, result_ttl_s=settings.result_ttl_s)
+        self.pickup = PickupPolicy(
+            self.redis,
+            self.keys,
+            consumer=consumer,
+            limits=settings.limits,
+            max_deliveries=opts.max_deliveries,
+            encode=generator.encode,
+        )
+        self.recovery = Recovery(
+            self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
+        )
+        self.cancels = Cancellations(self.keys)
+        self.intake_reader = Intake(self.keys, self.queues, consumer=consumer)
+        self.backoff = Backoff(cap_s=opts.redis_retry_max_s)
+        self.heartbeat = Heartbeat(
+            connect(settings),
+            self.keys.daemon(consumer),
+            interval_s=opts.heartbeat_interval_s,
+            ttl_s=opts.heartbeat_ttl_s,
+            info={"consumer": consumer, "model": settings.model, "queues": self.queues},
+        )
+        self.meter = Meter()
+        self.stopping = False
+        self.deadline = float("inf")
+        self.next_claim = 0.0
+        # The last claim failure logged: a failure that repeats every interval is logged once.
+        self.claim_error: str | None = None
+
+    # -- control from outside (signal handlers, the demo) ---------------------------------
+
+    def request_stop(self) -> None:
+        """First call: stop intake, give running jobs the grace period. Second: stop now."""
+        if self.stopping:
+            self.deadline = 0.0
+            return
+        self.stopping = True
+        self.deadline = time.monotonic() + self.settings.daemon.grace_period_s
+        log.info(
+            "stopping: intake closed, %d job(s) get %.0fs to finish",
+            len(self.jobs),
+            self.settings.daemon.grace_period_s,
+        )
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until asked to stop; jobs not finished by then stay pending for others."""
+        if not self._join():
+            self.heartbeat.stop(remove=True)
+            return
+        log.info("serving queues %s as consumer %s", self.queues, self.consumer)
+        while not self._done():
+            self.intake()
+            self.control()
+            self.step()
+            self.publish()
+            self.periodic()
+        self._leave()
+
+    def _done(self) -> bool:
+        if not self.stopping:
+            return False
+        return not self.jobs or time.monotonic() >= self.deadline
+
+    def intake(self) -> None:
+        """Pick up what the last publish read; an idle daemon blocks on a read of its own.
+
+        Entries already read are pending for this daemon, so they are picked up
+        even while stopping (and handed back by ``_leave`` if unfinished).
+        """
+        if not self.backoff.ready():
+            return
+        try:
+            self.intake_reader.raise_failure()
+            read = self.intake_reader.take()
+            self._admit(read)
+            room = self._room()
+            idle = not self.jobs and not self.gen.has_work()
+            if idle and room > 0 and not self.stopping:
+                self.intake_reader.read(
+                    self.redis, count=room, block_ms=self.settings.daemon.block_ms
+                )
+                self._admit(self.intake_reader.take())
+            elif not read:
+                return
+            self.backoff.succeeded()
+        except REDIS_DOWN as exc:
+            self.backoff.failed(exc, doing="reading jobs")
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The group is gone: Redis restarted without persistence, or someone deleted it.
+            log.error("consumer group missing (%s); creating it again", exc)
+            for queue in self.queues:
+                self._create_group(queue)
+
+    def control(self) -> None:
+        """Apply cancellations read along with the last publish: abort, free, final event."""
+        for job_id in self.cancels.take():
+            job = self.jobs.get(job_id)
+            if job is None or not job.in_engine:
+                continue
+            self.gen.abort(job_id)
+            job.in_engine = False
+            job.end(FinishReason.cancelled)
+            log.info("job %s cancelled after %d token(s)", job_id, job.next_seq)
+
+    def step(self) -> None:
+        """One engine step; its tokens go to the jobs' outboxes."""
+        if not self.gen.has_work():
+            # Intake does not block while Redis is away: without this the loop would spin.
+            if self.backoff.down:
+                time.sleep(min(self.backoff.delay(), 0.1))
+            return
+        outputs = self.gen.step()
+        view = self.gen.last_step()
+        self.meter.step(view, len(outputs))
+        crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
+        for out in outputs:
+            job = self.jobs[out.job_id]
+            if out.token_id is not None:
+                job.add_token(
+                    out.token_id, out.text, logprob=out.logprob, top_logprobs=out.top_logprobs
+                )
+            if out.finish_reason is not None:
+                job.in_engine = False
+                job.end(out.finish_reason)
+        if self.on_step is not None:
+            self.on_step(view, outputs)
+
+    def publish(self) -> None:
+        """One pipeline: every outbox (tokens, statuses, finishes), new cancellations and,
+        while busy, new jobs up to the room left once this pipeline's finishes are acked."""
+        if not self.backoff.ready():
+            return
+        extras: list[Piggyback] = [self.cancels]
+        busy = bool(self.jobs) or self.gen.has_work()
+        room = self._room(ending_now=True)
+        if busy and room > 0 and not self.stopping:
+            self.intake_reader.count = room
+            extras.append(self.intake_reader)
+        try:
+            result = self.publisher.flush(self.jobs.values(), extras=extras)
+            self.backoff.succeeded()
+        except REDIS_DOWN as exc:
+            self.backoff.failed(exc, doing="publishing")
+            return
+        for job in result.finished:
+            del self.jobs[job.job_id]
+            self.meter.finished(job)
+        for job in result.lost:
+            log.error("job %s: another daemon owns it now; dropped here", job.job_id)
+            if job.in_engine:
+                self.gen.abort(job.job_id)
+            del self.jobs[job.job_id]
+        if result.published_events:
+            crashpoint.reached("between_steps")
+
+    def periodic(self) -> None:
+        """Claims of dead daemons' jobs and housekeeping, and heartbeat figures."""
+        now = time.monotonic()
+        self.heartbeat.update(**self._figures())
+        opts = self.settings.daemon
+        # After an outage, live daemons need a heartbeat TTL to refresh their keys.
+        settled = now - self.backoff.up_since >= opts.heartbeat_ttl_s
+        if self.stopping or now < self.next_claim or self.backoff.down or not settled:
+            return
+        self.next_claim = now + opts.claim_interval_s
+        try:
+            for queue in self.queues:
+                self._admit(self.recovery.claim(queue, limit=self._room()))
+                trim_acked(self.redis, self.keys.queue(queue))
+                self.recovery.forget_dead(queue)
+        except REDIS_DOWN as exc:
+            self.backoff.failed(exc, doing="claiming jobs of dead daemons")
+        except redis.ResponseError as exc:
+            # E.g. a server without Lua (fakeredis) or an ACL forbidding EVALSHA: serve
+            # without taking over dead daemons' jobs rather than not at all.
+            if str(exc) != self.claim_error:
+                log.error("claiming jobs of dead daemons failed: %s", exc)
+            self.claim_error = str(exc)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _room(self, *, ending_now: bool = False) -> int:
+        """Jobs the daemon may still read; ``ending_now`` leaves out jobs whose final
+        event and ack the coming publish carries (acked before its intake read)."""
+        opts = self.settings
+        held = sum(not job.ended for job in self.jobs.values()) if ending_now else len(self.jobs)
+        return opts.engine.max_num_seqs + opts.daemon.intake_buffer - held
+
+    def _admit(self, deliveries: list[Delivery]) -> None:
+        """Pick up deliveries: start runnable jobs, hold ended ones for publishing, ack dups."""
+        if not deliveries:
+            return
+        try:
+            pickup = self.pickup.pick_up(deliveries)
+        except REDIS_DOWN:
+            self.intake_reader.put_back(deliveries)
+            raise
+        for job in pickup.run + pickup.ended:
+            held = self.jobs.get(job.job_id)
+            if held is not None and held.delivery.entry_id == job.delivery.entry_id:
+                continue  # the same delivery read again (a retried start): already running
+            if held is not None:
+                log.warning(
+                    "job %s is already held here; entry %s acked", job.job_id, job.delivery.entry_id
+                )
+                pickup.acks.append(job.delivery)
+                continue
+            self.jobs[job.job_id] = job
+            if not job.ended:
+                self._start(job)
+        self._ack(pickup)
+
+    def _start(self, job: Job) -> None:
+        assert job.request is not None
+        try:
+            done = self.gen.start(
+                JobStart(job.job_id, job.request, job.prompt_token_ids, tuple(job.output_token_ids))
+            )
+        except JobRejected as exc:
+            job.reject(exc.reason)
+            return
+        if done is not None:
+            job.end(done)
+        else:
+            job.in_engine = True
+            if job.output_token_ids:
+                log.info("job %s resumed at seq %d", job.job_id, job.next_seq)
+
+    def _ack(self, pickup: Pickup) -> None:
+        if not pickup.acks:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for delivery in pickup.acks:
+            pipe.xack(self.keys.queue(delivery.queue), CONSUMER_GROUP, delivery.entry_id)
+        pipe.execute()
+
+    def _figures(self) -> dict[str, Any]:
+        load = self.gen.load()
+        return {
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_usage": round(load.kv_usage, 4),
+            "jobs_held": len(self.jobs),
+            "tokens_per_s": round(self.meter.tokens_per_s(), 1),
+            "jobs_done": dict(self.meter.jobs_finished),
+            "redis_down": self.backoff.down,
+            "stopping": self.stopping,
+        }
+
+    def _join(self) -> bool:
+        """Create groups, start the heartbeat, take back own pending jobs; retry while
+        Redis is away. False if asked to stop first."""
+        self.heartbeat.start()
+        while not self.stopping:
+            try:
+                for queue in self.queues:
+                    self._create_group(queue)
+                self.cancels.start_at_end(self.redis)
+                self.heartbeat.beat()
+                for queue in self.queues:
+                    self._admit(self.recovery.own_pending(queue))
+                self.backoff.succeeded()
+                self.backoff.up_since -= self.settings.daemon.heartbeat_ttl_s
+                return True
+            except REDIS_DOWN as exc:
+                self.backoff.failed(exc, doing="starting")
+                time.sleep(self.backoff.delay())
+        return False
+
+    def _create_group(self, queue: str) -> None:
+        try:
+            self.redis.xgroup_create(self.keys.queue(queue), CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _leave(self) -> None:
+        """Hand back unfinished jobs (pending, checkpointed), store what is generated."""
+        unfinished = [job for job in self.jobs.values() if job.in_engine]
+        for job in unfinished:
+            self.gen.abort(job.job_id)
+            job.in_engine = False
+        try:
+            if self.jobs:
+                self.publisher.flush(self.jobs.values())
+            self._hand_back(unfinished)
+        except REDIS_DOWN as exc:
+            log.warning("could not store the last events (%s); they will be regenerated", exc)
+        if unfinished:
+            log.info("%d unfinished job(s) left pending for another daemon", len(unfinished))
+        self.heartbeat.stop(remove=True)
+        self.redis.close()
+
+    def _hand_back(self, jobs: list[Job]) -> None:
+        """Mark handed-back entries claimable at once, and uncount this delivery: a
+        graceful stop is not a crash, so it does not bring a job nearer to poison."""
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xclaim(
+                self.keys.queue(job.delivery.queue),
+                CONSUMER_GROUP,
+                self.consumer,
+                0,
+                [job.delivery.entry_id],
+                idle=self.recovery.min_idle_ms,
+                retrycount=max(0, job.delivery.deliveries - 1),
+                justid=True,
+            )
+        pipe.execute()

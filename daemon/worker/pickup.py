@@ -1,0 +1,242 @@
+"""Pickup: decide what each delivered queue entry becomes, in one Redis round trip.
+
+A delivery is parsed and validated (protocol limits, then token limits after
+tokenizing); its status hash and events stream say whether it is new, a job
+to resume at the next seq, one already finished that only needs its status
+and ack repaired, a duplicate of a job seen before, cancelled, expired, or
+poison. Bad input never raises out of here: it becomes a failed job with a
+final error event and a dead letter.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis
+
+from config import LimitSettings
+from daemon.worker.generator import JobRejected
+from daemon.worker.jobs import Delivery, Job
+from producers.errors import ValidationError
+from producers.keys import EVENT_FIELD, JOB_FIELD, Keys
+from producers.schema import (
+    FINAL_STATE,
+    JOB_ID_PATTERN,
+    Event,
+    FinishReason,
+    JobRequest,
+    JobState,
+    JobStatus,
+    parse_job,
+)
+
+log = logging.getLogger(__name__)
+
+_JOB_ID = re.compile(JOB_ID_PATTERN)
+_ID_FIELD = re.compile(r'"id"\s*:\s*"([^"\\]{1,128})"')
+
+Encode = Callable[[str, JobRequest], list[int]]
+
+
+@dataclass
+class Pickup:
+    """The outcome for a batch of deliveries."""
+
+    run: list[Job] = field(default_factory=list)
+    ended: list[Job] = field(default_factory=list)
+    acks: list[Delivery] = field(default_factory=list)
+
+
+class PickupPolicy:
+    """Turns deliveries into jobs to run, jobs to end at once, and entries to just ack."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        consumer: str,
+        limits: LimitSettings,
+        max_deliveries: int,
+        encode: Encode,
+    ) -> None:
+        self.redis = client
+        self.keys = keys
+        self.consumer = consumer
+        self.limits = limits
+        self.max_deliveries = max_deliveries
+        self.encode = encode
+
+    def pick_up(self, deliveries: list[Delivery]) -> Pickup:
+        out = Pickup()
+        valid: list[Job] = []
+        for delivery in deliveries:
+            job = _parse(delivery, self.limits)
+            (valid if job.request is not None else out.ended).append(job)
+        if not valid:
+            return out
+        pipe = self.redis.pipeline(transaction=False)
+        for job in valid:
+            pipe.hgetall(self.keys.job(job.job_id))
+            pipe.xrange(self.keys.events(job.job_id))
+        replies = pipe.execute(raise_on_error=False)
+        for i, job in enumerate(valid):
+            self._decide(job, replies[2 * i], replies[2 * i + 1], out)
+        return out
+
+    def _decide(self, job: Job, raw_status: Any, raw_events: Any, out: Pickup) -> None:
+        for reply in (raw_status, raw_events):
+            if isinstance(reply, redis.ResponseError):
+                job.reject(f"cannot read the job's keys: {reply}")
+                out.ended.append(job)
+                return
+        status = _status(job.job_id, raw_status)
+        try:
+            events = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in raw_events]
+        except (ValueError, KeyError) as exc:
+            job.reject(f"events stream unreadable: {exc}")
+            out.ended.append(job)
+            return
+        stored_entry = raw_status.get(b"entry")
+        if stored_entry is not None and stored_entry.decode() != job.delivery.entry_id:
+            log.warning(
+                "job %s: entry %s repeats a job id already taken by entry %s; not run twice",
+                job.job_id,
+                job.delivery.entry_id,
+                stored_entry.decode(),
+            )
+            out.acks.append(job.delivery)
+            return
+        if events and events[-1].final:
+            _repair(job, events[-1])
+            out.ended.append(job)
+            return
+        if status is not None and status.state.terminal:
+            log.info("job %s is already %s; acked, not run", job.job_id, status.state.value)
+            out.acks.append(job.delivery)
+            return
+        try:
+            job.resume_from(events)
+        except ValueError as exc:
+            job.reject(str(exc))
+            out.ended.append(job)
+            return
+        self._start_timings(job, status)
+        if self._ended_early(job, status, started=bool(events)):
+            out.ended.append(job)
+            return
+        assert job.request is not None
+        try:
+            job.prompt_token_ids = self.encode(job.job_id, job.request)
+        except JobRejected as exc:
+            job.reject(exc.reason)
+            out.ended.append(job)
+            return
+        if len(job.prompt_token_ids) > self.limits.max_prompt_tokens:
+            job.reject(
+                f"prompt: {len(job.prompt_token_ids)} tokens exceed the limit "
+                f"{self.limits.max_prompt_tokens}",
+            )
+            out.ended.append(job)
+            return
+        out.run.append(job)
+
+    def _ended_early(self, job: Job, status: JobStatus | None, *, started: bool) -> bool:
+        """Cancelled before (re)start, expired before start, or poison: end without running."""
+        request = job.request
+        assert request is not None
+        deliveries = job.delivery.deliveries
+        if status is not None and status.cancel_requested:
+            job.end(FinishReason.cancelled)
+        elif (
+            not started
+            and request.ttl_s is not None
+            and time.time() - job.delivery.enqueued_at > request.ttl_s
+        ):
+            job.end(FinishReason.expired, error=f"not started within ttl_s={request.ttl_s:g}")
+        elif deliveries > self.max_deliveries:
+            job.reject(
+                f"poison: delivered {deliveries} times (max_deliveries {self.max_deliveries})"
+            )
+        else:
+            return False
+        return True
+
+    def _start_timings(self, job: Job, status: JobStatus | None) -> None:
+        now = time.time()
+        job.timings.queued = (status.queued_at if status else None) or job.delivery.enqueued_at
+        job.timings.started = (status.started_at if status else None) or now
+        job.timings.first_token = status.first_token_at if status else None
+        job.set_status(
+            state=JobState.running,
+            queue=job.delivery.queue,
+            daemon=self.consumer,
+            entry=job.delivery.entry_id,
+            queued_at=job.timings.queued,
+            started_at=job.timings.started,
+        )
+
+
+def _parse(delivery: Delivery, limits: LimitSettings) -> Job:
+    """A Job with its request, or an ended failed Job naming what is wrong."""
+    payload = delivery.fields.get(JOB_FIELD.encode())
+    job_id = _recover_id(payload) or delivery.entry_id
+    job = Job(job_id=job_id, delivery=delivery)
+    if payload is None:
+        fields = sorted(k.decode(errors="replace") for k in delivery.fields)
+        job.reject(f"job: missing field {JOB_FIELD!r} (entry has {fields})")
+        return job
+    try:
+        request = parse_job(payload, limits)
+    except ValidationError as exc:
+        job.reject(str(exc))
+        return job
+    job.request = request
+    if request.id is None:
+        # A raw producer that sent no id: the entry id names the job.
+        job.request = request.model_copy(update={"id": job_id})
+    return job
+
+
+def _recover_id(payload: bytes | None) -> str | None:
+    """The job id of a payload that may be broken (bad bytes, cut JSON), if it names one."""
+    if payload is None:
+        return None
+    try:
+        data = orjson.loads(payload.decode("utf-8", errors="replace"))
+        value = data.get("id") if isinstance(data, dict) else None
+    except orjson.JSONDecodeError:
+        found = _ID_FIELD.search(payload[:4096].decode("utf-8", errors="replace"))
+        value = found.group(1) if found else None
+    return value if isinstance(value, str) and _JOB_ID.match(value) else None
+
+
+def _status(job_id: str, raw: dict[bytes, bytes]) -> JobStatus | None:
+    if not raw:
+        return None
+    try:
+        return JobStatus.from_hash(raw)
+    except ValueError as exc:
+        log.warning("job %s: unreadable status hash (%s); treated as new", job_id, exc)
+        return None
+
+
+def _repair(job: Job, final: Event) -> None:
+    """The final event is stored: write its status (idempotent) and ack; nothing runs."""
+    reason = final.finish_reason
+    assert reason is not None
+    job.finish_reason = reason
+    job.set_status(
+        state=FINAL_STATE[reason],
+        finish_reason=reason,
+        finished_at=final.timings.finished if final.timings else None,
+        completion_tokens=final.usage.completion_tokens if final.usage else None,
+        error=final.error,
+    )
+    log.info("job %s: final event found; status and ack repaired", job.job_id)

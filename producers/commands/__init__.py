@@ -1,0 +1,1 @@
+"""The producer-side ``batchd`` subcommands, one module per command group (no MLX here)."""

@@ -1,0 +1,195 @@
+"""Job subcommands of ``batchd``: submit, stream, status, cancel, schema.
+
+Exit codes: 0 done; 1 the job failed, was cancelled or expired, or is
+unknown; 2 the request is invalid; 3 Redis is unreachable; 4 timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import redis
+
+from config import Settings
+from producers.client import Client
+from producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
+from producers.result import ResultBuilder
+from producers.schema import Event, protocol_schema_json
+
+Handler = Callable[[argparse.Namespace, Settings], int]
+
+
+def register(sub: Any) -> None:
+    """Add the producer subcommands to the ``batchd`` parser."""
+    p = sub.add_parser("submit", help="enqueue a generation job", description=submit.__doc__)
+    p.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
+    p.add_argument("--max-tokens", type=int, metavar="N")
+    p.add_argument("--temperature", type=float, metavar="T")
+    p.add_argument("--top-p", type=float, metavar="P")
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--priority", type=int, metavar="P")
+    p.add_argument("--ttl", type=float, metavar="SECONDS", help="expire if not started in time")
+    p.add_argument("--id", metavar="ID", help="job id (default: a new UUID)")
+    p.add_argument("--queue", metavar="Q", help="queue name (default: default)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    mode.add_argument("--wait", action="store_true", help="wait and print the result")
+    _add_output_options(p)
+    p.set_defaults(func=submit)
+
+    p = sub.add_parser("stream", help="print a job's tokens, replayed then live")
+    p.add_argument("job_id", metavar="ID")
+    _add_output_options(p)
+    p.set_defaults(func=stream)
+
+    p = sub.add_parser("status", help="show a job's status hash")
+    p.add_argument("job_id", metavar="ID")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("cancel", help="cancel a queued or running job")
+    p.add_argument("job_id", metavar="ID")
+    p.set_defaults(func=cancel)
+
+    p = sub.add_parser("schema", help="print the wire protocol as JSON Schema")
+    p.set_defaults(func=schema)
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (one event per line)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long")
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Turn the client's errors into a one-line message and an exit code."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace, settings: Settings) -> int:
+        try:
+            return handler(args, settings)
+        except ValidationError as exc:
+            return _fail(f"invalid request: {exc}", 2)
+        except (JobFailed, JobNotFound) as exc:
+            return _fail(str(exc), 1)
+        except JobTimeout as exc:
+            return _fail(str(exc), 4)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return _fail(f"cannot reach Redis at {_safe_url(settings.redis_url)}: {exc}", 3)
+        except BatchdError as exc:
+            return _fail(str(exc), 1)
+
+    return run
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"batchd: {message}", file=sys.stderr)
+    return code
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{creds.partition(':')[0] + ':***@' if at else ''}{host}"
+
+
+def _client(settings: Settings, queue: str | None = None) -> Client:
+    return Client(
+        settings.redis_url,
+        prefix=settings.key_prefix,
+        queue=queue or "default",
+        limits=settings.limits,
+    )
+
+
+@_guarded
+def submit(args: argparse.Namespace, settings: Settings) -> int:
+    """Enqueue a job; print its id, or stream its text (--stream), or wait for it (--wait)."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    options = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "priority": args.priority,
+        "ttl_s": args.ttl,
+    }
+    with _client(settings, args.queue) as client:
+        handle = client.submit(prompt, id=args.id, **options)
+        if args.stream or args.wait:
+            events = handle.stream(timeout=args.timeout)
+            return _print_events(events, handle.id, as_json=args.json, live=args.stream)
+        if args.json:
+            _print_json({"id": handle.id, "queue": handle.queue})
+        else:
+            print(handle.id)
+    return 0
+
+
+@_guarded
+def stream(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        client.status(args.job_id)  # unknown ids fail here instead of waiting
+        events = client.stream(args.job_id, timeout=args.timeout)
+        return _print_events(events, args.job_id, as_json=args.json, live=True)
+
+
+def _print_events(events: Iterator[Event], job_id: str, *, as_json: bool, live: bool) -> int:
+    """Print tokens as they come (``live``) or only the result; raises JobFailed."""
+    builder = ResultBuilder(job_id)
+    for event in events:
+        if as_json and live:
+            sys.stdout.write(event.encode().decode() + "\n")
+        elif live and not event.final:
+            sys.stdout.write(event.text)
+        sys.stdout.flush()
+        try:
+            result = builder.add(event)
+        except JobFailed:
+            if live and not as_json:
+                sys.stdout.write("\n")
+            raise
+        if result is None:
+            continue
+        if as_json and not live:
+            _print_json(result.to_dict())
+        elif not as_json:
+            sys.stdout.write("\n" if live else result.text + "\n")
+    return 0
+
+
+@_guarded
+def status(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        state = client.status(args.job_id)
+    fields = state.model_dump(mode="json", exclude_none=True)
+    if args.json:
+        _print_json({"id": args.job_id, **fields})
+    else:
+        for key, value in fields.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+@_guarded
+def cancel(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        if client.cancel(args.job_id):
+            print(f"cancel requested for {args.job_id}")
+        else:
+            print(f"{args.job_id} already ended ({client.status(args.job_id).state.value})")
+    return 0
+
+
+def schema(args: argparse.Namespace, settings: Settings) -> int:
+    sys.stdout.write(protocol_schema_json())
+    return 0
+
+
+def _print_json(data: Any) -> None:
+    print(orjson.dumps(data).decode())

@@ -1,0 +1,106 @@
+"""The benchmark's pure parts: seeded workloads, arrival times, FLOP counting, stats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daemon.bench.limit import ModelFlops
+from daemon.bench.stats import Recorder, step_profile
+from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
+from engine.models.model_fixture import PRESETS
+from engine.outputs import StepStats
+
+BENCH_SMALL = PRESETS["bench-small"]
+
+
+def test_workloads_are_seeded_and_within_their_ranges() -> None:
+    scale = SCALES["full"]
+    first = mixed(scale=scale, vocab_size=32000, seed=0)
+    assert first == mixed(scale=scale, vocab_size=32000, seed=0)
+    assert first != mixed(scale=scale, vocab_size=32000, seed=1)
+    assert len(first.requests) == 64
+    for r in first.requests:
+        assert 16 <= len(r.prompt_ids) <= 512 and 16 <= r.max_tokens <= 256
+        assert all(16 <= t < 32000 for t in r.prompt_ids)
+
+
+def test_shared_prefix_requests_share_exactly_the_prefix() -> None:
+    w = shared_prefix(scale=SCALES["full"], vocab_size=32000)
+    prefix = w.requests[0].prompt_ids[:512]
+    assert w.shared_prefix_len == 512
+    for r in w.requests:
+        assert r.prompt_ids[:512] == prefix
+        assert 16 <= len(r.prompt_ids) - 512 <= 64 and 64 <= r.max_tokens <= 128
+    tails = {tuple(r.prompt_ids[512:]) for r in w.requests}
+    assert len(tails) == len(w.requests)
+
+
+def test_subset_spreads_over_the_list() -> None:
+    w = mixed(scale=SCALES["full"], vocab_size=1000)
+    part = w.subset(16)
+    assert [r.request_id for r in part.requests] == [f"mixed-{i}" for i in range(0, 64, 4)]
+    assert w.subset(100) is w
+
+
+def test_poisson_arrivals_have_the_asked_rate() -> None:
+    times = poisson_arrivals(n=4000, rate=2.0, seed=3)
+    assert times == sorted(times) and times == poisson_arrivals(n=4000, rate=2.0, seed=3)
+    assert len(times) / times[-1] == pytest.approx(2.0, rel=0.1)
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(n=1, rate=0)
+
+
+def test_bench_small_flops_match_two_times_params(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(BENCH_SMALL))
+    flops = ModelFlops.from_model_dir(tmp_path)
+    # ~39M params: 8 layers x 2.82M + a 16.4M output head; BENCHMARK.md says ~78 MFLOP.
+    assert flops.per_output_token / 1e6 == pytest.approx(77.9, abs=0.1)
+    assert flops.attention_per_key == 4 * 8 * 8 * 64
+
+
+def test_workload_flops_count_a_shared_prefix_once(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(BENCH_SMALL))
+    flops = ModelFlops.from_model_dir(tmp_path)
+    one = Request("a", list(range(20, 52)), 4)
+    alone = flops.workload_flops(Workload("w", [one]))
+    # 32 prompt + 3 fed-back outputs; keys 1..35; 4 sampled tokens.
+    expected = 35 * flops.linear_per_token + 630 * flops.attention_per_key
+    assert alone == expected + 4 * flops.head_per_token
+    twice = flops.workload_flops(Workload("w", [one, one], shared_prefix_len=16))
+    second = 19 * flops.linear_per_token + (630 - 136) * flops.attention_per_key
+    assert twice == alone + second + 4 * flops.head_per_token
+
+
+def test_recorder_counts_tokens_ttft_and_gaps() -> None:
+    done: list[tuple[int, int]] = []
+    rec = Recorder(total=2, on_finish=lambda d, t: done.append((d, t)))
+    rec.arrive("a", at=0.0)
+    rec.arrive("b", at=0.0)
+    rec.token("a")
+    rec.token("a", finished=True)
+    rec.token("b", count=3, finished=True)
+    stats = rec.result()
+    assert (stats.requests, stats.finished, stats.output_tokens) == (2, 2, 5)
+    assert done == [(1, 2), (2, 2)]
+    assert len(stats.ttft_s) == 2 and len(stats.itl_s) == 1 + 2
+    assert stats.tok_s == pytest.approx(5 / stats.wall_s)
+    assert set(stats.summary()) >= {"tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"}
+
+
+def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
+    def step(seconds: float, decodes: int, prefill: int) -> StepStats:
+        return StepStats(
+            step=0, step_time_s=seconds, num_decode_tokens=decodes, num_prefill_tokens=prefill
+        )
+
+    steps = [step(0.010, 10, 0)] * 98 + [step(0.030, 1, 32), step(0.5, 0, 512)]
+    profile = step_profile(steps)
+    assert profile["steps"] == 100 and profile["steps_with_prefill"] == 1
+    # 980 gaps at 10 ms, 1 at 30 ms; the prefill-only step holds up no decode.
+    assert profile["gap_share_with_prefill"] == round(1 / 981, 4)
+    assert profile["step_p50_s"] == profile["step_p99_s"] == 0.010
+    assert profile["decode_only_p99_s"] == 0.010
+    assert profile["with_prefill_p50_s"] == 0.030

@@ -1,0 +1,153 @@
+"""`batchd bench` end to end on the tiny model: the report's shape, not its speed.
+
+Benchmarks report, they never pass or fail on figures (BENCHMARK.md): this
+only checks that every system ran every request to max_tokens and that the
+report, table, chart and headline are all there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+from config import load_settings
+from daemon.bench.workloads import SCALES, mixed, shared_prefix
+from daemon.commands import bench as bench_cmd
+from support.redis_server import RedisServer
+
+OFFLINE_SYSTEMS = {"batchd", "batchgen", "static", "sequential"}
+TINY_VOCAB = 1024
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    report: dict[str, Any]
+    out: Path
+    stdout: str
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchRun]:
+    """One tiny-scale run of every workload, shared by the checks below."""
+    out = tmp_path_factory.mktemp("bench-out")
+    server = RedisServer(tmp_path_factory.mktemp("bench-redis")).start()
+    stdout = io.StringIO()
+    try:
+        # The bench subcommand alone, as daemon.cli registers it.
+        parser = argparse.ArgumentParser(prog="batchd")
+        bench_cmd.register(parser.add_subparsers())
+        args = parser.parse_args(
+            ["bench", "--model", str(tiny_model), "--scale", "tiny", "--max-num-seqs", "4"]
+            + ["--out", str(out)]
+        )
+        with contextlib.redirect_stdout(stdout):
+            assert args.func(args, load_settings(redis_url=server.url)) == 0
+    finally:
+        server.kill()
+    yield BenchRun(json.loads((out / "report.json").read_text()), out, stdout.getvalue())
+
+
+def test_settings_and_machine_are_recorded(bench_run: BenchRun) -> None:
+    report = bench_run.report
+    assert report["settings"]["max_num_seqs"] == 4
+    assert report["settings"]["scale"] == "tiny"
+    assert report["settings"]["command"].startswith("batchd bench --workload all --model ")
+    # Online runs batchd with the latency setting; the throughput workloads with the engine's.
+    assert report["settings"]["online_max_prefill_tokens_with_decodes"] == 64
+    assert report["settings"]["max_prefill_tokens_with_decodes"] is None
+    assert "--online-max-prefill-tokens 64" in report["settings"]["command"]
+    machine = report["machine"]
+    assert machine["cpu_count"] >= 1 and machine["mlx"] and machine["blas"]
+    assert report["limit"]["matmul_gflops"] > 0
+    for name in ("mixed", "shared-prefix"):
+        assert report["workloads"][name]["limit"]["matmul_gflops"] > 0
+    assert report["limit"]["mflop_per_output_token"] > report["limit"]["mflop_per_prompt_token"]
+
+
+@pytest.mark.parametrize("name", ["mixed", "shared-prefix"])
+def test_offline_workloads_run_every_system_to_max_tokens(bench_run: BenchRun, name: str) -> None:
+    result = bench_run.report["workloads"][name]
+    build = mixed if name == "mixed" else shared_prefix
+    workload = build(scale=SCALES["tiny"], vocab_size=TINY_VOCAB, seed=0)
+    assert result["output_tokens"] == workload.output_tokens
+    assert set(result["systems"]) == OFFLINE_SYSTEMS, result["unavailable"]
+    for key, figures in result["systems"].items():
+        part = workload.subset(SCALES["tiny"].sequential_requests)
+        expected = part if key == "sequential" else workload
+        assert figures["finished"] == figures["requests"] == len(expected.requests), key
+        assert figures["output_tokens"] == expected.output_tokens, key
+        assert figures["tok_s"] > 0 and figures["wall_s"] > 0, key
+        assert 0 < figures["mfu"] < 1, key
+        assert len(figures["ttft_s"]) == figures["requests"], key
+    assert set(result["ratios"]) == {"vs_batchgen", "vs_static", "vs_sequential"}
+    assert all(r > 0 for r in result["ratios"].values())
+    assert result["limit"]["limit_tok_s"] > result["systems"]["batchd"]["tok_s"]
+
+
+def test_online_compares_latency_at_the_same_arrivals(bench_run: BenchRun) -> None:
+    online = bench_run.report["workloads"]["online"]
+    assert online["rate_req_s"] > 0
+    assert set(online["systems"]) == {"batchd", "batchgen"}, online["unavailable"]
+    for figures in online["systems"].values():
+        assert figures["finished"] == online["requests"]
+        assert figures["ttft_p99_s"] >= figures["ttft_p50_s"] > 0
+        assert figures["itl_p99_s"] >= figures["itl_p50_s"] > 0
+    assert set(online["ratios"]) == {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"}
+    # batchd reports its own steps (none of the warm-up's); BatchGenerator has none to report.
+    steps = online["systems"]["batchd"]["engine_steps"]
+    assert steps["steps"] > 0 and steps["step_p99_s"] >= steps["step_p50_s"] > 0
+    assert "engine_steps" not in online["systems"]["batchgen"]
+    assert "batchd's engine steps" in (bench_run.out / "report.md").read_text()
+
+
+def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> None:
+    queue = bench_run.report["workloads"]["queue"]
+    assert queue["available"], queue.get("reason")
+    assert queue["ratio"] > 0 and queue["reference_tok_s"] > 0
+    assert queue["queue"]["subscriber_cpu_s"] >= 0
+    for key in ("queue", "in_process", "in_process_after"):
+        assert queue[key]["finished"] == queue["requests"], key
+    tokens = {queue[k]["output_tokens"] for k in ("queue", "in_process", "in_process_after")}
+    assert len(tokens) == 1 and tokens.pop() > 0
+
+
+def test_files_and_headline(bench_run: BenchRun) -> None:
+    assert (bench_run.out / "report.png").read_bytes().startswith(b"\x89PNG")
+    table = (bench_run.out / "report.md").read_text()
+    assert "| mixed | batchd |" in table and "| shared-prefix | FLOP limit" in table
+    last_line = bench_run.stdout.strip().splitlines()[-1]
+    assert last_line == bench_run.report["headline"]
+    assert last_line.startswith("mixed ") and "x BatchGenerator" in last_line
+
+
+@pytest.mark.slow
+def test_quick_bench_on_bench_small(tmp_path: Path) -> None:
+    """`batchd bench --quick` on the CPU benchmark model, every workload (a few minutes)."""
+    from engine.models.model_fixture import FixtureSpec, make_model
+
+    model = make_model(tmp_path / "bench-small", FixtureSpec(preset="bench-small"))
+    server = RedisServer(tmp_path / "redis").start()
+    parser = argparse.ArgumentParser(prog="batchd")
+    bench_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["bench", "--model", str(model), "--quick", "--out", str(tmp_path / "out")]
+    )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert args.func(args, load_settings(redis_url=server.url)) == 0
+    finally:
+        server.kill()
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    for name in ("mixed", "shared-prefix"):
+        assert set(report["workloads"][name]["systems"]) == OFFLINE_SYSTEMS
+    assert set(report["workloads"]["online"]["systems"]) == {"batchd", "batchgen"}
+    assert report["workloads"]["queue"]["available"], report["workloads"]["queue"]

@@ -1,0 +1,78 @@
+"""The publish pipeline's exactly-once guard, on a real redis-server."""
+
+from __future__ import annotations
+
+from daemon.worker.jobs import Delivery, Job
+from daemon.worker.publisher import Publisher
+from producers.keys import CONSUMER_GROUP, EVENT_FIELD, Keys, event_id
+from producers.schema import Event, FinishReason
+from support.daemon_harness import (
+    FakeGenerator,
+    enqueue,
+    events_of,
+    fast_settings,
+    wait_final,
+    worker_thread,
+)
+from support.redis_server import RedisServer
+
+KEYS = Keys()
+
+
+def _job(job_id: str) -> Job:
+    return Job(job_id=job_id, delivery=Delivery("default", "1-0", {}))
+
+
+def test_a_resent_pipeline_is_recognised_as_our_own(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    publisher = Publisher(client, KEYS, result_ttl_s=60)
+    job = _job("own")
+    job.add_token(5, "a")
+    job.add_token(6, "b")
+    resent = list(job.unpublished)
+    assert publisher.flush([job]).published_events == 2
+    # The reply was lost (e.g. the connection dropped): the same events go again.
+    job.unpublished = resent
+    job.add_token(7, "c")
+    result = publisher.flush([job])
+    assert result.lost == [] and result.published_events == 1
+    assert [e.token_id for e in events_of(client, KEYS, "own")] == [5, 6, 7]
+
+
+def test_events_stored_by_another_daemon_mean_the_job_is_lost(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    client.xadd(
+        KEYS.events("taken"), {EVENT_FIELD: Event(seq=0, token_id=9).encode()}, id=event_id(0)
+    )
+    job = _job("taken")
+    job.add_token(5, "a")
+    result = Publisher(client, KEYS, result_ttl_s=60).flush([job])
+    assert result.lost == [job]
+    assert [e.token_id for e in events_of(client, KEYS, "taken")] == [9]
+
+
+def test_final_event_status_and_ack_in_that_order(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    client.xgroup_create(KEYS.queue(), CONSUMER_GROUP, id="0", mkstream=True)
+    entry = enqueue(client, KEYS, {"id": "fin", "prompt": "x"})
+    client.xreadgroup(CONSUMER_GROUP, "me", {KEYS.queue(): ">"})
+    job = Job(job_id="fin", delivery=Delivery("default", entry, {}))
+    job.add_token(5, "a")
+    job.end(FinishReason.stop)
+    assert Publisher(client, KEYS, result_ttl_s=60).flush([job]).finished == [job]
+    assert events_of(client, KEYS, "fin")[-1].finish_reason is FinishReason.stop
+    assert client.hget(KEYS.job("fin"), "state") == b"finished"
+    assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 0
+    assert 0 < client.ttl(KEYS.events("fin")) <= 60
+
+
+def test_a_lost_consumer_group_is_created_again(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    with worker_thread(fast_settings(redis_server.url), FakeGenerator):
+        enqueue(client, KEYS, {"id": "before", "prompt": "x", "max_tokens": 3})
+        wait_final(client, KEYS, ["before"], timeout=10)
+        client.xgroup_destroy(KEYS.queue(), CONSUMER_GROUP)
+        enqueue(client, KEYS, {"id": "after", "prompt": "x", "max_tokens": 3})
+        done = wait_final(client, KEYS, ["after"], timeout=10)
+    assert len(done["after"]) == 4
+    assert len(events_of(client, KEYS, "before")) == 4  # re-delivered, repaired, not rerun
