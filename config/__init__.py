@@ -3,7 +3,6 @@
 from config.settings import (
     DEFAULT_REDIS_URL,
     DaemonSettings,
-    EngineSettings,
     LimitSettings,
     Settings,
     SettingsError,
@@ -14,7 +13,6 @@ from config.settings import (
 __all__ = [
     "DEFAULT_REDIS_URL",
     "DaemonSettings",
-    "EngineSettings",
     "LimitSettings",
     "Settings",
     "SettingsError",

@@ -21,43 +21,14 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from engine.config import EngineConfig
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CONFIG_ENV_VAR = "BATCHD_CONFIG"
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class EngineSettings(_Section):
-    """Continuous-batching engine limits and policies (see engine.EngineConfig)."""
-
-    max_num_seqs: int = Field(32, ge=1, description="Most sequences running at once.")
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="Token budget of one engine step (decodes + prefill chunks)."
-    )
-    max_prefill_tokens_with_decodes: int | None = Field(
-        None,
-        ge=1,
-        description="Most prefill tokens in a step while sequences decode (even inter-token "
-        "latency); unset: only max_num_batched_tokens bounds them.",
-    )
-    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
-    num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV pool size in blocks; unset sizes it from available memory."
-    )
-    kv_memory_fraction: float = Field(
-        0.5, gt=0, le=1, description="Share of free memory the KV pool may take when sized."
-    )
-    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
-    enable_preemption: bool = Field(True, description="Preempt by recompute when blocks run out.")
-    aging_rate: float = Field(
-        0.1, ge=0, description="Priority points a waiting request gains per second waited."
-    )
-    dtype: str | None = Field(
-        None, description="Compute dtype override (float32, float16, bfloat16); unset: model's."
-    )
 
 
 class LimitSettings(_Section):
@@ -131,7 +102,9 @@ class Settings(BaseSettings):
         86400, ge=1, description="Seconds a finished job's events and status are kept."
     )
     log_level: str = Field("INFO", description="Logging level (DEBUG, INFO, WARNING, ERROR).")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    # The engine's own dataclass is the one definition of its options: pydantic validates
+    # the fields by their types and runs EngineConfig's cross-field checks.
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
 
@@ -159,14 +132,8 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml_file = _CONFIG_FILE.get("path")
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if toml_file is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
-        return tuple(sources)
-
-
-_CONFIG_FILE: dict[str, Path | None] = {"path": None}
+        # The file comes from the class's own model_config (see load_settings).
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
 
 
 class SettingsError(ValueError):
@@ -184,13 +151,20 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
     resolved = Path(path) if path else None
     if resolved is not None and not resolved.is_file():
         raise SettingsError(f"config file {str(resolved)!r} does not exist")
-    _CONFIG_FILE["path"] = resolved
+    settings_cls = Settings if resolved is None else _reading(resolved)
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise SettingsError(_describe(exc, resolved)) from None
-    finally:
-        _CONFIG_FILE["path"] = None
+
+
+def _reading(toml_file: Path) -> type[Settings]:
+    """Settings whose TOML layer is ``toml_file`` (passed down, never held globally)."""
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(toml_file=toml_file)
+
+    return FileSettings
 
 
 def _describe(exc: ValidationError, config_file: Path | None) -> str:

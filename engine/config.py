@@ -1,8 +1,9 @@
 """Engine limits and policies: the documented options of the scheduler and KV pool.
 
-`config.settings.EngineSettings` carries the same fields for the daemon (from
-TOML / environment); this dataclass is what the engine itself takes, so the
-engine never depends on the settings machinery.
+This dataclass is the one definition of the engine's options: the daemon's
+settings (``config.settings.Settings.engine``) validate TOML and environment
+values straight into it, so the engine never depends on the settings
+machinery and no option is written twice.
 """
 
 from __future__ import annotations

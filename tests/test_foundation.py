@@ -63,19 +63,6 @@ def test_invalid_setting_names_option_and_value(monkeypatch: pytest.MonkeyPatch)
     assert "'abc'" in str(err.value)
 
 
-def test_default_file_documents_every_option() -> None:
-    from config.settings import Settings
-
-    text = (ROOT / "config" / "batchd.toml").read_text()
-    documented = load_settings(ROOT / "config" / "batchd.toml")
-    assert documented == Settings()
-    for name, field in Settings.model_fields.items():
-        sub = getattr(field.annotation, "model_fields", None)
-        names = [name] if sub is None else list(sub)
-        for option in names:
-            assert f"{option} =" in text or f"# {option} =" in text, option
-
-
 def test_cli_rejects_bad_setting() -> None:
     env = {**os.environ, "BATCHD_ENGINE__MAX_NUM_SEQS": "abc"}
     proc = subprocess.run(

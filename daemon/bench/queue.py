@@ -36,7 +36,6 @@ from typing import Any
 
 import redis
 
-from config import EngineSettings
 from daemon.bench.engine_system import bench_engine_config
 from daemon.bench.progress import Progress
 from daemon.bench.stats import Recorder, RunStats
@@ -156,11 +155,11 @@ def _daemon_env(
         longest_request=longest,
         max_prefill_tokens_with_decodes=s.max_prefill_tokens_with_decodes,
     )
-    # Every engine option the daemon's settings know, so both engines match field by field.
+    # Every engine option, so both engines match field by field.
     engine_env = {
         f"BATCHD_ENGINE__{name.upper()}": str(value)
         for name, value in dataclasses.asdict(config).items()
-        if name in EngineSettings.model_fields and value is not None
+        if value is not None
     }
     return {
         **os.environ,

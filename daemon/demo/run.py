@@ -12,6 +12,7 @@ and long prompts are prefilled in chunks next to running decodes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -54,8 +55,8 @@ def ensure_model(path: Path) -> Path:
 def demo_settings(settings: Settings, *, redis_url: str, model: Path) -> Settings:
     """The user's settings, scoped to this run: own prefix and queue, small batch."""
     prefix = f"batchd-demo-{os.getpid()}-{secrets.token_hex(3)}"
-    engine = settings.engine.model_copy(
-        update={"max_num_seqs": 4, "max_num_batched_tokens": 64, "num_kv_blocks": 256}
+    engine = dataclasses.replace(
+        settings.engine, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=256
     )
     daemon = settings.daemon.model_copy(
         update={"consumer_name": f"{prefix}-daemon", "block_ms": 100, "grace_period_s": 2.0}

@@ -6,7 +6,6 @@ Built and used on the engine thread only. Importing this module imports MLX
 
 from __future__ import annotations
 
-from config import EngineSettings
 from daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
 from engine import EngineConfig, LLMEngine, SamplingParams
 from producers.schema import FinishReason, JobRequest
@@ -20,9 +19,9 @@ class MLXGenerator:
         self.tokenizer = engine.tokenizer
 
     @classmethod
-    def from_pretrained(cls, model: str, settings: EngineSettings) -> MLXGenerator:
+    def from_pretrained(cls, model: str, config: EngineConfig) -> MLXGenerator:
         """Load a model directory or hub id with the engine options from Settings."""
-        return cls(LLMEngine.from_pretrained(model, EngineConfig(**settings.model_dump())))
+        return cls(LLMEngine.from_pretrained(model, config))
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         try:

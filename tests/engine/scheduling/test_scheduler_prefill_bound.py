@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import make_scheduler, seq, step
 
-from config.settings import EngineSettings
+from config.settings import Settings
 from engine.config import EngineConfig
 
 
@@ -70,6 +70,6 @@ def test_bound_needs_chunked_prefill() -> None:
 
 
 def test_the_daemon_setting_reaches_the_engine_config() -> None:
-    settings = EngineSettings(max_prefill_tokens_with_decodes=48)
-    assert EngineConfig(**settings.model_dump()).max_prefill_tokens_with_decodes == 48
-    assert EngineConfig(**EngineSettings().model_dump()).max_prefill_tokens_with_decodes is None
+    settings = Settings(engine={"max_prefill_tokens_with_decodes": 48})
+    assert settings.engine.max_prefill_tokens_with_decodes == 48
+    assert Settings().engine.max_prefill_tokens_with_decodes is None
