@@ -25,15 +25,14 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.forward.kv_pool import KVPool, size_pool
-from engine.forward.model_runner import ChunkInput, ModelRunner
+from engine.forward.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load
-from engine.outputs import ChunkStat, RequestOutput, StepStats
+from engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
 from engine.request_state import RequestState
 from engine.sampler import REPETITION_CONTEXT, SampleRow, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduling.schedule import SchedulerOutput
 from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import FinishReason
 from engine.scheduling.sequence import Sequence as Seq
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
@@ -45,7 +44,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 class LLMEngine:
-    """Continuous-batching generation over a paged KV pool (see ARCHITECTURE.md, Engine)."""
+    """Continuous-batching generation over a paged KV pool (README, The engine as a library)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -121,7 +120,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
-        ids = self._prompt_ids(request_id, prompt, prompt_token_ids, messages)
+        ids = self.encode_prompt(
+            request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages
+        )
         resumed = [int(t) for t in resume_output_token_ids]
         self._check_ids(request_id, ids + resumed)
         if len(ids) >= self.max_model_len:
@@ -164,12 +165,8 @@ class LLMEngine:
         if scheduled.is_empty:
             self.last_step_stats = self._stats(scheduled, start, 0.0, 0)
             return []
-        chunks = [
-            ChunkInput(c.token_ids, c.start, c.slots, c.seq.block_table, c.samples)
-            for c in scheduled.chunks
-        ]
         sampling = [c for c in scheduled.chunks if c.samples]
-        logits = self.runner.execute(chunks)
+        logits = self.runner.execute(scheduled.chunks)
         host = None if logits is None else np.array(logits.astype(mx.float32))
         forward_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
@@ -216,13 +213,17 @@ class LLMEngine:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _prompt_ids(
+    def encode_prompt(
         self,
         request_id: str,
-        prompt: str | None,
-        prompt_token_ids: Sequence[int] | None,
-        messages: Sequence[dict[str, Any]] | None,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """A request's prompt as token ids: text encoded, chat messages through the model's
+        chat template, ids as given. Exactly one of the three; raises ValueError if the
+        prompt is empty or the tokenizer refuses it."""
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise ValueError(
@@ -269,7 +270,7 @@ class LLMEngine:
         index = state.num_outputs
         verdict = state.on_token(token_id)
         if verdict.finish_reason is not None:
-            self.scheduler.finish(request_id, FinishReason(verdict.finish_reason))
+            self.scheduler.finish(request_id, verdict.finish_reason)
             del self._requests[request_id]
         return RequestOutput(
             request_id=request_id,
@@ -306,7 +307,10 @@ class LLMEngine:
             preempted=[s.seq_id for s in scheduled.preempted],
             chunks=[
                 ChunkStat(
-                    c.seq.seq_id, "decode" if c.is_decode else "prefill", c.start, c.num_tokens
+                    c.seq.seq_id,
+                    ChunkKind.decode if c.is_decode else ChunkKind.prefill,
+                    c.start,
+                    c.num_tokens,
                 )
                 for c in scheduled.chunks
             ],

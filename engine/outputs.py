@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.scheduling.sequence import FinishReason
 
 
 @dataclass(frozen=True)
@@ -15,8 +18,8 @@ class RequestOutput:
     tokens a resumed request was given as already produced. ``logprob`` is the
     token's log-probability under the model (after repetition penalty, before
     temperature); ``top_logprobs`` lists (token_id, logprob) best first when
-    the request asked for ``logprobs > 0``. ``finish_reason`` is "stop",
-    "length" or None while the request runs.
+    the request asked for ``logprobs > 0``. ``finish_reason`` is set on the
+    request's last token (stop or length) and None while it runs.
     """
 
     request_id: str
@@ -25,8 +28,13 @@ class RequestOutput:
     logprob: float
     index: int
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+class ChunkKind(str, Enum):
+    decode = "decode"
+    prefill = "prefill"
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ class ChunkStat:
     """One entry of a step's packed batch: a decode, or a prefill chunk of n tokens."""
 
     request_id: str
-    kind: str  # "decode" | "prefill"
+    kind: ChunkKind
     start: int
     num_tokens: int
 

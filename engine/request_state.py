@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.sampling_params import SamplingParams
+from engine.scheduling.sequence import FinishReason
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class TokenVerdict:
     """The text a new token releases, and why the request ends with it (if it does)."""
 
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 class RequestState:
@@ -52,7 +53,7 @@ class RequestState:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
 
-    def resume(self, tokens: Sequence[int]) -> str | None:
+    def resume(self, tokens: Sequence[int]) -> FinishReason | None:
         """Replay outputs a previous run delivered (their text is ``self.text`` after).
 
         Returns the finish reason if they already end the request (an end token,
@@ -69,18 +70,18 @@ class RequestState:
         self.num_outputs += 1
         self.output_token_ids.append(token_id)
         if token_id in self._stop_ids:
-            return self._emit(self._flush(), "stop")
+            return self._emit(self._flush(), FinishReason.stop)
         text = self._stops.push(self._detok.add(token_id))
         if self._stops.stopped:
-            return self._emit(text, "stop")
+            return self._emit(text, FinishReason.stop)
         if self.num_outputs >= self.max_outputs:
-            return self._emit(text + self._flush(), "length")
+            return self._emit(text + self._flush(), FinishReason.length)
         return self._emit(text, None)
 
     def _flush(self) -> str:
         text = self._stops.push(self._detok.flush())
         return text if self._stops.stopped else text + self._stops.flush()
 
-    def _emit(self, text: str, reason: str | None) -> TokenVerdict:
+    def _emit(self, text: str, reason: FinishReason | None) -> TokenVerdict:
         self.text += text
         return TokenVerdict(text, reason)

@@ -37,7 +37,8 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def fake_redis() -> Iterator[fakeredis.FakeRedis]:
-    """In-process fakeredis for fast logic tests (no blocking reads: see ARCHITECTURE)."""
+    """In-process fakeredis for fast logic tests only: fakeredis 2.40 mishandles blocking
+    XREADGROUP (returns at once, hides entries), so anything blocking uses redis_server."""
     server = fakeredis.FakeServer()
     client = fakeredis.FakeRedis(server=server)
     yield client

@@ -1,8 +1,9 @@
 """``batchd bench``: batchd's engine against its peers, side by side, in one run.
 
 Every figure is a ratio measured in the same process on the same model and
-the same seeded requests (see BENCHMARK.md): absolute times on a shared
-machine mean little, ratios taken minutes apart mean a lot.
+the same seeded requests: absolute times on a shared machine drift by tens
+of percent within minutes, so only ratios taken side by side mean anything
+(README, Performance).
 """
 
 # Preloads OpenBLAS before any submodule imports mlx (50x faster CPU matmuls).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.outputs import ChunkKind
 from producers.schema import FinishReason, JobRequest
 
 
@@ -16,7 +17,6 @@ class MLXGenerator:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.tokenizer = engine.tokenizer
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig) -> MLXGenerator:
@@ -24,24 +24,16 @@ class MLXGenerator:
         return cls(LLMEngine.from_pretrained(model, config))
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
+        messages = None if request.messages is None else [m.model_dump() for m in request.messages]
         try:
-            if request.prompt is not None:
-                ids = list(self.tokenizer.encode(request.prompt))
-            elif request.messages is not None:
-                ids = list(
-                    self.tokenizer.apply_chat_template(
-                        [m.model_dump() for m in request.messages],
-                        add_generation_prompt=True,
-                        tokenize=True,
-                    )
-                )
-            else:
-                ids = list(request.prompt_token_ids or ())
+            return self.engine.encode_prompt(
+                job_id,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                messages=messages,
+            )
         except Exception as exc:  # a tokenizer/template error is the job's fault, not ours
             raise JobRejected(job_id, f"prompt: cannot tokenize: {exc}") from exc
-        if not ids:
-            raise JobRejected(job_id, "prompt: empty after tokenizing")
-        return [int(t) for t in ids]
 
     def start(self, job: JobStart) -> FinishReason | None:
         try:
@@ -54,7 +46,7 @@ class MLXGenerator:
             )
         except ValueError as exc:
             raise JobRejected(job.job_id, str(exc)) from exc
-        return FinishReason(finished) if finished is not None else None
+        return None if finished is None else FinishReason(finished.value)
 
     def abort(self, job_id: str) -> None:
         self.engine.abort(job_id)
@@ -67,7 +59,9 @@ class MLXGenerator:
                 text=out.text,
                 logprob=out.logprob,
                 top_logprobs=out.top_logprobs,
-                finish_reason=FinishReason(out.finish_reason) if out.finish_reason else None,
+                finish_reason=None
+                if out.finish_reason is None
+                else FinishReason(out.finish_reason.value),
             )
             for out in self.engine.step()
         ]
@@ -87,9 +81,9 @@ class MLXGenerator:
     def last_step(self) -> StepView:
         stats = self.engine.last_step_stats
         return StepView(
-            decodes=tuple(c.request_id for c in stats.chunks if c.kind == "decode"),
+            decodes=tuple(c.request_id for c in stats.chunks if c.kind is ChunkKind.decode),
             prefills=tuple(
-                (c.request_id, c.num_tokens) for c in stats.chunks if c.kind != "decode"
+                (c.request_id, c.num_tokens) for c in stats.chunks if c.kind is ChunkKind.prefill
             ),
             preempted=tuple(stats.preempted),
             num_batched_tokens=stats.num_scheduled_tokens,

@@ -8,6 +8,7 @@ token that samples) come first so the runner can batch them together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from engine.scheduling.sequence import Sequence
 
@@ -27,10 +28,14 @@ class ScheduledChunk:
     slots: list[int]
     samples: bool
 
-    @property
+    @cached_property
     def token_ids(self) -> list[int]:
         """The input tokens of this chunk."""
         return self.seq.tokens(self.start, self.start + self.num_tokens)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.seq.block_table
 
     @property
     def positions(self) -> range:

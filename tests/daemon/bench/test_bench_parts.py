@@ -56,7 +56,7 @@ def test_poisson_arrivals_have_the_asked_rate() -> None:
 def test_bench_small_flops_match_two_times_params(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(BENCH_SMALL))
     flops = ModelFlops.from_model_dir(tmp_path)
-    # ~39M params: 8 layers x 2.82M + a 16.4M output head; BENCHMARK.md says ~78 MFLOP.
+    # ~39M params: 8 layers x 2.82M + a 16.4M output head: ~78 MFLOP per token.
     assert flops.per_output_token / 1e6 == pytest.approx(77.9, abs=0.1)
     assert flops.attention_per_key == 4 * 8 * 8 * 64
 

@@ -1,6 +1,6 @@
 """`batchd bench` end to end on the tiny model: the report's shape, not its speed.
 
-Benchmarks report, they never pass or fail on figures (BENCHMARK.md): this
+Benchmarks report, they never pass or fail on figures (timings drift too much): this
 only checks that every system ran every request to max_tokens and that the
 report, table, chart and headline are all there.
 """

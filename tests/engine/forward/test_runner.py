@@ -7,6 +7,7 @@ and the pool sizing rule.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ import pytest
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine.forward import fast_math
 from engine.forward.kv_pool import KVPool, size_pool
-from engine.forward.model_runner import ROW_MULTIPLE, ChunkInput, ModelRunner, padded_rows
+from engine.forward.model_runner import ROW_MULTIPLE, ModelRunner, padded_rows
 from engine.forward.paged_attention import group_decodes, split_for_lanes
 from engine.models.loader import LoadedModel, UnsupportedModelError, check_config, load
 from engine.models.weight_layout import lay_out_for_cpu
@@ -34,9 +35,20 @@ def _runner(loaded: LoadedModel, *, lanes: int | None = None) -> ModelRunner:
     return ModelRunner(loaded.model, loaded.spec, pool, lanes=lanes)
 
 
-def _chunk(tokens: list[int], start: int, n: int, table: list[int], samples: bool) -> ChunkInput:
+@dataclass(frozen=True)
+class Chunk:
+    """A hand-built chunk (the runner's ChunkInput protocol)."""
+
+    token_ids: list[int]
+    start: int
+    slots: list[int]
+    block_table: list[int]
+    samples: bool
+
+
+def _chunk(tokens: list[int], start: int, n: int, table: list[int], samples: bool) -> Chunk:
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
-    return ChunkInput(tokens[start : start + n], start, slots, table, samples)
+    return Chunk(tokens[start : start + n], start, slots, table, samples)
 
 
 def _reference_logits(loaded: LoadedModel, tokens: list[int]) -> np.ndarray:
