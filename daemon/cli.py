@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "producers.commands.jobs",
     "producers.commands.bulk",
     "producers.commands.top",
+    "producers.commands.gateway",
     "daemon.commands.model",
     "daemon.commands.serve",
     "daemon.commands.demo",

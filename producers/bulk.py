@@ -32,6 +32,7 @@ from rq.serializers import JSONSerializer
 from config import LimitSettings
 from producers.client import Client, follow
 from producers.errors import BulkBusy, JobFailed, ValidationError
+from producers.gateway.batch_lines import custom_id_of, is_openai_line, openai_job
 from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from producers.result import ResultBuilder
 from producers.schema import Event, JobRequest, validate_job
@@ -51,17 +52,21 @@ def line_job_id(input_path: Path, line_no: int, line: str) -> str:
 
 def parse_line(
     line: str, *, input_path: Path, line_no: int, limits: LimitSettings | None = None
-) -> JobRequest:
-    """One input line as a JobRequest; raises ValidationError."""
+) -> tuple[JobRequest, dict[str, Any]]:
+    """One input line as a JobRequest, and the fields its result line carries back (an
+    OpenAI batch line's ``custom_id``, ``url`` and model); raises ValidationError."""
     try:
         data = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         raise ValidationError("line", f"invalid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValidationError("line", f"expected a JSON object, got {type(data).__name__}")
+    echo: dict[str, Any] = {}
+    if is_openai_line(data):
+        data, echo = openai_job(data)
     if data.get("id") is None:
         data["id"] = line_job_id(input_path, line_no, line)
-    return validate_job(data, limits)
+    return validate_job(data, limits), echo
 
 
 def input_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -142,10 +147,13 @@ def run_bulk(
     prefix: str = DEFAULT_PREFIX,
     limits: dict[str, Any] | None = None,
     connection: redis.Redis | None = None,
+    stop_key: str | None = None,
 ) -> dict[str, Any]:
     """The rq job: run every line of ``input_path``, append results to ``output_path``.
 
-    Outside an rq worker, pass ``connection``. Returns the final progress.
+    Outside an rq worker, pass ``connection``. Once ``stop_key`` exists in Redis the
+    run submits no more lines and cancels the jobs in flight (they are written as
+    cancelled). Returns the final progress.
     """
     rq_job = get_current_job()
     conn = connection if connection is not None else rq_job.connection if rq_job else None
@@ -158,7 +166,7 @@ def run_bulk(
     with ResultFile(Path(output_path)) as out:
         progress = Progress(total, len(out.done), rq_job)
         todo = ((n, line) for n, line in input_lines(source) if n not in out.done)
-        run = _Window(client, todo, out, progress, source=source, window=window)
+        run = _Window(client, todo, out, progress, source=source, window=window, stop_key=stop_key)
         run.fill()
         for job_id, event in follow(conn, run.follower):
             run.deliver(job_id, event)
@@ -179,6 +187,7 @@ class _Window:
         *,
         source: Path,
         window: int,
+        stop_key: str | None = None,
     ) -> None:
         self.client = client
         self.todo = todo
@@ -186,12 +195,28 @@ class _Window:
         self.progress = progress
         self.source = source
         self.window = window
+        self.stop_key = stop_key
+        self.stopped = False
+        self.stop_checked = -PROGRESS_EVERY_S
         self.follower = client.follower()
-        self.in_flight: dict[str, tuple[int, ResultBuilder]] = {}
+        self.in_flight: dict[str, tuple[int, ResultBuilder, dict[str, Any]]] = {}
+
+    def should_stop(self) -> bool:
+        """Whether the stop key appeared (read at most every PROGRESS_EVERY_S); on the
+        first sight, every job in flight is cancelled."""
+        now = time.monotonic()
+        if self.stopped or self.stop_key is None or now - self.stop_checked < PROGRESS_EVERY_S:
+            return self.stopped
+        self.stop_checked = now
+        if self.client.redis.exists(self.stop_key):
+            self.stopped = True
+            for job_id in list(self.in_flight):
+                self.client.cancel(job_id)
+        return self.stopped
 
     def fill(self) -> None:
-        """Submit lines until the window is full or the input is used up."""
-        while self.follower.active < self.window:
+        """Submit lines until the window is full, the input is used up or the run stops."""
+        while self.follower.active < self.window and not self.should_stop():
             item = next(self.todo, None)
             if item is None:
                 return
@@ -199,31 +224,33 @@ class _Window:
 
     def _submit(self, line_no: int, line: str) -> None:
         try:
-            job = parse_line(
+            job, echo = parse_line(
                 line, input_path=self.source, line_no=line_no, limits=self.client.limits
             )
             handle = self.client.submit_request(job, idempotent=True)
         except ValidationError as exc:
-            self._write({"line": line_no, "error": str(exc)}, failed=True)
+            record = {"line": line_no, **custom_id_of(line), "error": str(exc), "field": exc.field}
+            self._write(record, failed=True)
             return
         self.follower.add(handle.id)
-        self.in_flight[handle.id] = (line_no, ResultBuilder(handle.id))
+        self.in_flight[handle.id] = (line_no, ResultBuilder(handle.id), echo)
 
     def deliver(self, job_id: str, event: Event) -> None:
         """One event of a job in flight; when it ends, its result line is written and
         the window refilled."""
-        line_no, builder = self.in_flight[job_id]
+        line_no, builder, echo = self.in_flight[job_id]
         self.progress.tokens += event.token_id is not None
         try:
             result = builder.add(event)
         except JobFailed as exc:
-            error = {"line": line_no, "id": job_id, "error": str(exc), "reason": exc.reason}
+            error = {"line": line_no, **echo, "id": job_id, "error": str(exc), "reason": exc.reason}
             self._write(error, failed=True)
         else:
             if result is None:
                 self.progress.report()
+                self.should_stop()
                 return
-            self._write({"line": line_no, **result.to_dict()}, failed=False)
+            self._write({"line": line_no, **echo, **result.to_dict()}, failed=False)
         del self.in_flight[job_id]
         self.fill()
 

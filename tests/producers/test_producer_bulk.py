@@ -152,10 +152,10 @@ def test_result_file_resumes_and_locks(tmp_path: Path) -> None:
 
 def test_line_parsing_and_ids(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
-    job = parse_line('{"prompt": "a"}', input_path=path, line_no=3)
+    job, _ = parse_line('{"prompt": "a"}', input_path=path, line_no=3)
     assert job.id == line_job_id(path, 3, '{"prompt": "a"}') and job.id.startswith("bulk-3-")
     assert line_job_id(path, 3, "x") != line_job_id(path, 4, "x") != line_job_id(path, 4, "y")
-    assert parse_line('{"prompt": "a", "id": "mine"}', input_path=path, line_no=1).id == "mine"
+    assert parse_line('{"prompt": "a", "id": "mine"}', input_path=path, line_no=1)[0].id == "mine"
     with pytest.raises(ValidationError, match="expected a JSON object"):
         parse_line("[1]", input_path=path, line_no=1)
 

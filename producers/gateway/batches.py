@@ -1,0 +1,206 @@
+"""The Batch API over HTTP: ``/v1/files`` and ``/v1/batches``, in OpenAI's format.
+
+Creating a batch enqueues :func:`producers.gateway.batch_run.run_batch` on rq's
+bulk queue (JSON serializer), with the batch id as the rq job id; a
+``batchd bulk-worker`` runs it. A batch's status is what its runner last
+recorded, except that a runner that crashed for good (its rq job failed)
+makes it ``failed``. The gateway never generates anything itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from rq import Retry
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from producers.bulk import ABANDONED_RETRIES, rq_queue
+from producers.gateway.batch_lines import ENDPOINTS
+from producers.gateway.errors import APIError, invalid, not_found
+from producers.gateway.guard import Guard
+from producers.gateway.online import parse_body
+from producers.gateway.store import (
+    TERMINAL,
+    batch_key,
+    decode,
+    encode,
+    file_key,
+    file_path,
+    file_record,
+    new_id,
+    stop_key,
+)
+from producers.keys import Keys
+
+COMPLETION_WINDOW = "24h"
+WINDOW_S = 24 * 3600
+
+
+class Batches:
+    """Files and batches of one gateway (see the module doc)."""
+
+    def __init__(
+        self, redis: aioredis.Redis, redis_url: str, keys: Keys, guard: Guard, options: Any
+    ) -> None:
+        self.redis = redis
+        self.sync = _sync_redis(redis_url)
+        self.keys = keys
+        self.guard = guard
+        self.options = options
+        self.files_dir = options.files_dir
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+            Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
+            Route("/v1/batches", self.create, methods=["POST"]),
+            Route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
+        ]
+
+    async def upload(self, request: Request) -> Response:
+        self.guard.caller(request)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.options.max_file_bytes:
+            raise APIError(413, f"file exceeds {self.options.max_file_bytes} bytes", param="file")
+        async with request.form(max_part_size=self.options.max_file_bytes) as form:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose != "batch":
+                raise invalid("purpose", "only 'batch' is supported")
+            if upload is None or isinstance(upload, str):
+                raise invalid("file", "a file part is required")
+            data = await upload.read()
+            filename = upload.filename or "upload.jsonl"
+        file_id = new_id("file")
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        await run_in_threadpool(file_path(self.files_dir, file_id).write_bytes, data)
+        record = file_record(
+            file_id, filename=filename, size=len(data), purpose=purpose, created_at=int(time.time())
+        )
+        await self.redis.hset(file_key(self.keys, file_id), mapping=encode(record))  # type: ignore[arg-type]
+        return JSONResponse(record)
+
+    async def _file(self, file_id: str) -> dict[str, Any]:
+        raw = await self.redis.hgetall(file_key(self.keys, file_id))
+        if not raw:
+            raise not_found("file", file_id, param="file_id", code="file_not_found")
+        return decode(raw)
+
+    async def file(self, request: Request) -> Response:
+        self.guard.caller(request)
+        return JSONResponse(await self._file(request.path_params["file_id"]))
+
+    async def content(self, request: Request) -> Response:
+        self.guard.caller(request)
+        record = await self._file(request.path_params["file_id"])
+        data = await run_in_threadpool(file_path(self.files_dir, record["id"]).read_bytes)
+        return Response(data, media_type="application/jsonl")
+
+    async def create(self, request: Request) -> Response:
+        self.guard.caller(request)
+        body = parse_body(await self.guard.body(request))
+        endpoint, window = body.get("endpoint"), body.get("completion_window")
+        if endpoint not in ENDPOINTS:
+            raise invalid("endpoint", f"must be one of {', '.join(ENDPOINTS)}")
+        if window != COMPLETION_WINDOW:
+            raise invalid("completion_window", f"must be {COMPLETION_WINDOW!r}")
+        source = await self._file(str(body.get("input_file_id")))
+        if source["purpose"] != "batch":
+            raise invalid("input_file_id", "the file's purpose is not 'batch'")
+        created = int(time.time())
+        batch_id = new_id("batch")
+        record = {
+            "id": batch_id,
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": source["id"],
+            "completion_window": window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": created,
+            "expires_at": created + WINDOW_S,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": body.get("metadata"),
+        }
+        await self.redis.hset(batch_key(self.keys, batch_id), mapping=encode(record))  # type: ignore[arg-type]
+        await run_in_threadpool(self._enqueue, batch_id)
+        return JSONResponse(record)
+
+    def _enqueue(self, batch_id: str) -> None:
+        limits = self.options.limits
+        rq_queue(self.sync).enqueue_call(
+            "producers.gateway.batch_run.run_batch",
+            kwargs={
+                "batch_id": batch_id,
+                "files_dir": str(self.files_dir.resolve()),
+                "queue": self.options.queue,
+                "prefix": self.keys.prefix,
+                "window": self.options.batch_window,
+                "limits": None if limits is None else limits.model_dump(),
+            },
+            timeout=-1,
+            retry=Retry(max=ABANDONED_RETRIES),
+            job_id=batch_id,
+            description=f"OpenAI batch {batch_id}",
+        )
+
+    async def retrieve(self, request: Request) -> Response:
+        self.guard.caller(request)
+        return JSONResponse(await self._batch(request.path_params["batch_id"]))
+
+    async def _batch(self, batch_id: str) -> dict[str, Any]:
+        raw = await self.redis.hgetall(batch_key(self.keys, batch_id))
+        if not raw:
+            raise not_found("batch", batch_id, param="batch_id", code="batch_not_found")
+        batch = decode(raw)
+        if batch["status"] in TERMINAL:
+            return batch
+        status, progress = await run_in_threadpool(self._runner, batch_id)
+        if status is JobStatus.FAILED:
+            batch.update(status="failed", failed_at=batch.get("failed_at") or int(time.time()))
+        if progress.get("total") is not None:
+            done, failed = progress.get("done", 0), progress.get("failed", 0)
+            batch["request_counts"] = {
+                "total": progress["total"],
+                "completed": done - failed,
+                "failed": failed,
+            }
+        return batch
+
+    def _runner(self, batch_id: str) -> tuple[JobStatus | None, dict[str, Any]]:
+        try:
+            job = Job.fetch(batch_id, connection=self.sync, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return None, {}
+        return job.get_status(), job.get_meta().get("progress") or {}
+
+    async def cancel(self, request: Request) -> Response:
+        self.guard.caller(request)
+        batch_id = request.path_params["batch_id"]
+        batch = await self._batch(batch_id)
+        if batch["status"] in TERMINAL:
+            raise APIError(
+                409, f"batch {batch_id} is already {batch['status']}", code="batch_not_cancellable"
+            )
+        now = int(time.time())
+        await self.redis.set(stop_key(self.keys, batch_id), b"1")
+        update = {"status": "cancelling", "cancelling_at": batch.get("cancelling_at") or now}
+        await self.redis.hset(batch_key(self.keys, batch_id), mapping=encode(update))  # type: ignore[arg-type]
+        return JSONResponse({**batch, **update})
+
+
+def _sync_redis(redis_url: str) -> redis.Redis:
+    """rq needs a blocking connection; used from a thread pool, never the event loop."""
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)

@@ -1,0 +1,64 @@
+"""OpenAI's error shape, so every SDK turns a gateway refusal into its usual exception.
+
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status the
+OpenAI API uses for the same case (400 bad parameter, 401 bad key, 404 unknown
+model or object, 413 body too large, 429 too busy, 503 Redis unreachable).
+Messages never carry the Redis URL: Redis failures get a fixed text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape; ``param`` names the request field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def unsupported(param: str, why: str = "is not supported by batchd") -> APIError:
+    """A parameter the engine cannot honour: refused, never silently ignored."""
+    return APIError(400, f"{param} {why}", param=param, code="unsupported_parameter")
+
+
+def invalid(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def not_found(what: str, ident: str, *, param: str | None = None, code: str) -> APIError:
+    return APIError(404, f"{what} {ident!r} does not exist", param=param, code=code)
+
+
+REDIS_DOWN = APIError(
+    503,
+    "the job store (Redis) is unreachable; retry later",
+    type="server_error",
+    code="unavailable",
+)

@@ -1,0 +1,108 @@
+"""One redis-server, one real daemon on the tiny model and one gateway per module.
+
+The gateway runs in uvicorn on a thread, on a free port of 127.0.0.1; tests
+talk to it with the official ``openai`` package, as any client would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+import uvicorn
+
+from producers.gateway.app import GatewayOptions, create_app
+from support.daemon_harness import DaemonProcess, daemon_config
+from support.redis_server import RedisServer, free_port
+
+API_KEY = "sk-test-gateway"
+
+
+@dataclass
+class Gateway:
+    url: str
+    redis_url: str
+    options: GatewayOptions
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+@contextmanager
+def run_gateway(redis_url: str, options: GatewayOptions) -> Iterator[Gateway]:
+    """The gateway app in uvicorn on a thread; stopped on exit."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(redis_url, options), host="127.0.0.1", port=port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "gateway did not start"
+        time.sleep(0.02)
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}", redis_url, options)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    """``batchd serve`` on the tiny model, its heartbeat live before any test runs."""
+    tmp = tmp_path_factory.mktemp("daemon")
+    proc = DaemonProcess(
+        daemon_config(tmp, redis_url), model=tiny_model, log_path=tmp / "d.log"
+    ).wait_serving()
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 10
+    while not client.keys("batchd:daemon:*"):
+        assert time.monotonic() < deadline, "no heartbeat"
+        time.sleep(0.05)
+    client.close()
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    redis_url: str, daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    options = GatewayOptions(
+        api_keys=[API_KEY], files_dir=tmp_path_factory.mktemp("files"), batch_window=8
+    )
+    with run_gateway(redis_url, options) as gw:
+        yield gw
+
+
+@pytest.fixture
+def oai(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    """The official sync client on the gateway (no retries: a refusal must show)."""
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def aoai(gateway: Gateway) -> openai.AsyncOpenAI:
+    """The official async client on the gateway (closed by each test's event loop)."""
+    return openai.AsyncOpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
