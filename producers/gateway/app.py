@@ -46,7 +46,7 @@ class GatewayOptions:
     max_backlog: int = 1024
     files_dir: Path = Path(".batchd/gateway-files")
     batch_window: int = 64
-    limits: LimitSettings | None = None
+    limits: LimitSettings | None = field(default_factory=LimitSettings)
 
 
 def create_app(redis_url: str, options: GatewayOptions) -> Starlette:

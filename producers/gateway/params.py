@@ -97,7 +97,8 @@ def _common(
     if stream not in (True, False, None):
         raise invalid("stream", "must be a boolean")
     include_usage = _stream_options(body.pop("stream_options", None), stream=bool(stream))
-    job["max_tokens"] = max_tokens
+    if max_tokens is not None:
+        job["max_tokens"] = max_tokens
     temperature = body.pop("temperature", None)
     job["temperature"] = OPENAI_TEMPERATURE if temperature is None else temperature
     for name in ("top_p", "seed", *EXTRAS):

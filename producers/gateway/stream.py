@@ -35,7 +35,10 @@ class EventStream(Response):
         on_gone: Callable[[], Awaitable[None]],
         on_close: Callable[[], None],
     ) -> None:
-        super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # No body attribute: Response would declare a Content-Length (0) for it.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.chunks = chunks
         self.finished = finished
         self.on_gone = on_gone

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +106,9 @@ def oai(gateway: Gateway) -> Iterator[openai.OpenAI]:
 def aoai(gateway: Gateway) -> openai.AsyncOpenAI:
     """The official async client on the gateway (closed by each test's event loop)."""
     return openai.AsyncOpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def start_gateway() -> Callable[[str, GatewayOptions], AbstractContextManager[Gateway]]:
+    """Another gateway (other options) for one test: ``with start_gateway(url, opts) as gw``."""
+    return run_gateway

@@ -4,13 +4,19 @@ a real redis-server and a real daemon on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import orjson
+import pytest
 
+from daemon.cli import main as cli_main
 from producers.client import Client
 
 MODEL = "tiny"
+API_KEY = "sk-test-gateway"
 HELLO = [{"role": "user", "content": "Hello there"}]
 
 
@@ -23,3 +29,104 @@ def test_chat_completion_is_the_jobs_text(gateway: Any, oai: openai.OpenAI) -> N
     direct = client.submit(messages=HELLO, max_tokens=12, temperature=0.0)
     assert direct.result(timeout=60).text == choice.message.content
     assert client.status(reply.id.removeprefix("chatcmpl-")).state.value == "finished"
+
+
+def test_text_completion_equals_batchd_submit(
+    gateway: Any, oai: openai.OpenAI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reply = oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0
+    )
+    assert reply.object == "text_completion" and reply.choices[0].finish_reason == "length"
+    argv = ["--redis-url", gateway.redis_url, "submit", "Once upon a time", "--max-tokens", "10"]
+    assert cli_main([*argv, "--wait", "--json"]) == 0
+    assert orjson.loads(capsys.readouterr().out)["text"] == reply.choices[0].text
+
+
+def test_chat_stream_chunks_and_usage(oai: openai.OpenAI) -> None:
+    whole = oai.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
+    async def run() -> tuple[list[str], Any]:
+        async with openai.AsyncOpenAI(
+            base_url=gateway.base_url, api_key=API_KEY, max_retries=0
+        ) as client:
+
+            async def one(seed: int) -> str:
+                stream = await client.completions.create(
+                    model=MODEL,
+                    prompt="Tell",
+                    max_tokens=6,
+                    temperature=0.8,
+                    seed=seed,
+                    stream=True,
+                )
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+
+            texts = await asyncio.gather(*(one(seed) for seed in (1, 2, 1)))
+            whole = await client.chat.completions.create(
+                model=MODEL, messages=HELLO, max_tokens=4, temperature=0, logprobs=True
+            )
+            return list(texts), whole
+
+    texts, whole = asyncio.run(run())
+    assert texts[0] == texts[2]  # the same seed, the same text
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None and len(logprobs.content) == 4
+    assert all(item.logprob <= 0 for item in logprobs.content)
+    assert "".join(i.token for i in logprobs.content) == whole.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+    ],
+)
+def test_unsupported_or_invalid_params_are_400_naming_them(
+    oai: openai.OpenAI, extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model=MODEL, messages=HELLO, **extra)
+    assert caught.value.status_code == 400 and caught.value.param == param
+
+
+def test_unknown_model_is_404_and_models_lists_the_fleet(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        oai.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert caught.value.code == "model_not_found"
+    served = [m.id for m in oai.models.list()]
+    assert len(served) == 1 and Path(served[0]).name == MODEL
+    assert oai.models.retrieve(MODEL).id == served[0]
+
+
+def test_auth_and_health(gateway: Any) -> None:
+    bad = openai.OpenAI(base_url=gateway.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    health = httpx.get(f"{gateway.url}/health").json()
+    assert health == {"status": "ok", "redis": True, "daemons": 1}
