@@ -1,0 +1,82 @@
+"""The Batch API end to end with the official openai package: upload, create, a bulk
+worker runs it on batchd's bulk machinery, output and error files come back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import redis
+
+from producers.bulk import bulk_worker, run_bulk
+
+MODEL = "tiny"
+
+
+def batch_file(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return path
+
+
+def chat_line(custom_id: str, content: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def run_worker(redis_url: str) -> None:
+    """One burst of `batchd bulk-worker --no-fork` (in this thread: rq wants the main one)."""
+    assert bulk_worker(redis.Redis.from_url(redis_url), burst=True, fork=False)
+
+
+def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
+    lines = [chat_line(f"req-{i}", f"prompt {i}", max_tokens=5, temperature=0) for i in range(4)]
+    lines.append(chat_line("bad", "x", n=3))
+    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
+        upload = oai.files.create(file=source, purpose="batch")
+    batch = oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "validating"
+    run_worker(gateway.redis_url)
+    done = oai.batches.retrieve(batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (5, 4)
+    assert done.request_counts.failed == 1
+    assert done.output_file_id and done.error_file_id
+    output = [orjson.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(4)]
+    online = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "prompt 2"}], max_tokens=5, temperature=0
+    )
+    body = output[2]["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == online.choices[0].message.content
+    assert body["usage"]["completion_tokens"] == 5
+    errors = [orjson.loads(x) for x in oai.files.content(done.error_file_id).text.splitlines()]
+    assert errors[0]["custom_id"] == "bad" and "n" in errors[0]["error"]["message"]
+
+
+def test_batch_cancelled_before_it_runs(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
+    lines = [chat_line(f"c-{i}", "long", max_tokens=50) for i in range(3)]
+    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
+        upload = oai.files.create(file=source, purpose="batch")
+    batch = oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert oai.batches.cancel(batch.id).status == "cancelling"
+    run_worker(gateway.redis_url)
+    ended = oai.batches.retrieve(batch.id)
+    assert ended.status == "cancelled" and ended.request_counts is not None
+    assert (ended.request_counts.total, ended.request_counts.completed) == (3, 0)
+
+
+def test_batchd_bulk_takes_an_openai_batch_file(gateway: Any, tmp_path: Path) -> None:
+    source = batch_file(tmp_path / "in.jsonl", [chat_line("a", "hi", max_tokens=3)])
+    out = tmp_path / "out.jsonl"
+    conn = redis.Redis.from_url(gateway.redis_url)
+    summary = run_bulk(input_path=str(source), output_path=str(out), connection=conn)
+    assert summary["done"] == 1 and summary["failed"] == 0
+    record = orjson.loads(out.read_bytes())
+    assert record["custom_id"] == "a" and record["finish_reason"] == "length"
