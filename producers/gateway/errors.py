@@ -48,6 +48,17 @@ def unsupported(param: str, why: str = "is not supported by batchd") -> APIError
     return APIError(400, f"{param} {why}", param=param, code="unsupported_parameter")
 
 
+def too_busy(message: str, *, code: str, retry_after_s: int = 1) -> APIError:
+    """429 with Retry-After: the client should come back, not wait on an open request."""
+    return APIError(
+        429,
+        message,
+        type="rate_limit_error",
+        code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def invalid(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 

@@ -13,9 +13,7 @@ from collections import Counter
 
 from starlette.requests import Request
 
-from producers.gateway.errors import APIError
-
-RETRY_AFTER_S = 1
+from producers.gateway.errors import APIError, too_busy
 
 
 class Guard:
@@ -66,12 +64,9 @@ class Guard:
         """Take one in-flight slot of ``caller`` (give it back with :meth:`release`);
         429 with Retry-After when all are taken."""
         if self.in_flight[caller] >= self.max_in_flight:
-            raise APIError(
-                429,
+            raise too_busy(
                 f"too many requests in flight for this key (limit {self.max_in_flight})",
-                type="rate_limit_error",
                 code="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.in_flight[caller] += 1
 

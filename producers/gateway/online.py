@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response
 from config import LimitSettings
 from producers.aio import AsyncClient, AsyncJobHandle
 from producers.errors import ValidationError
-from producers.gateway.errors import APIError, invalid
+from producers.gateway.errors import APIError, invalid, too_busy
 from producers.gateway.fleet import Fleet
-from producers.gateway.guard import RETRY_AFTER_S, Guard
+from producers.gateway.guard import Guard
 from producers.gateway.params import Mapped, chat_request, completion_request
 from producers.gateway.shapes import CHAT, TEXT, Shaper
 from producers.gateway.stream import DONE, EventStream, sse
@@ -66,12 +66,9 @@ class Online:
         job = to_job(mapped, self.limits)
         backlog = await self.fleet.backlog()
         if backlog >= self.max_backlog:
-            raise APIError(
-                429,
+            raise too_busy(
                 f"the queue holds {backlog} waiting jobs (bound {self.max_backlog}); retry later",
-                type="rate_limit_error",
                 code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.guard.acquire(caller)
         try:
