@@ -98,7 +98,7 @@ class Online:
             return Response(status_code=499)  # nobody is listening any more
         tokens, final = collect.result()
         if final.finish_reason in FAILED_REASONS:
-            raise failed(handle.id, final)
+            raise failed(handle.id, final, kind=shaper.kind)
         return JSONResponse(shaper.whole(tokens, final))
 
     def _stream(
@@ -114,7 +114,7 @@ class Online:
                     continue
                 ended = True
                 if event.finish_reason in FAILED_REASONS:
-                    yield sse(orjson.dumps(failed(handle.id, event).body()))
+                    yield sse(orjson.dumps(failed(handle.id, event, kind=shaper.kind).body()))
                 else:
                     yield sse(orjson.dumps(shaper.chunk(event)))
                     if mapped.include_usage:
@@ -151,9 +151,16 @@ def to_job(mapped: Mapped, limits: LimitSettings | None) -> JobRequest:
         raise invalid(field, exc.message) from None
 
 
-def failed(job_id: str, final: Event) -> APIError:
+def failed(job_id: str, final: Event, *, kind: str) -> APIError:
+    """The error of a job that ended without a completion. A daemon's refusal names the
+    job field at fault first (``prompt: cannot tokenize: ...``, e.g. a chat request to a
+    model without a chat template): that is the request's fault, a 400 naming it."""
     reason = final.finish_reason.value if final.finish_reason else "error"
     detail = f": {final.error}" if final.error else ""
+    field = (final.error or "").split(":", 1)[0]
+    if reason == "error" and field in JobRequest.model_fields:
+        param = "messages" if kind == CHAT and field == "prompt" else field
+        return invalid(param, f"refused by the daemon: {final.error}")
     return APIError(
         FAILED_STATUS.get(reason, 500),
         f"job {job_id} ended {reason}{detail}",

@@ -4,6 +4,7 @@ a real redis-server and a real daemon on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 
 from daemon.cli import main as cli_main
 from producers.client import Client
+from producers.gateway.app import GatewayOptions
+from support.daemon_harness import DaemonProcess, daemon_config, wait_until
 
 MODEL = "tiny"
 API_KEY = "sk-test-gateway"
@@ -130,3 +133,34 @@ def test_auth_and_health(gateway: Any) -> None:
         bad.models.list()
     health = httpx.get(f"{gateway.url}/health").json()
     assert health == {"status": "ok", "redis": True, "daemons": 1}
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_400(
+    gateway: Any, tiny_model: Path, tmp_path: Path, start_gateway: Any
+) -> None:
+    """The daemon refuses the job ("prompt: cannot tokenize"); the gateway says it is the
+    request's messages, and plain completions still work on that model."""
+    model = tmp_path / "plain"
+    shutil.copytree(tiny_model, model)
+    config_path = model / "tokenizer_config.json"
+    config = orjson.loads(config_path.read_bytes())
+    del config["chat_template"]
+    config_path.write_bytes(orjson.dumps(config))
+    daemon = DaemonProcess(
+        daemon_config(tmp_path, gateway.redis_url),
+        model=model,
+        log_path=tmp_path / "d.log",
+        env={"BATCHD_QUEUES": '["plain"]'},
+    ).wait_serving()
+    try:
+        options = GatewayOptions(queue="plain", files_dir=tmp_path)
+        with start_gateway(gateway.redis_url, options) as gw:
+            client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+            wait_until(lambda: [m.id for m in client.models.list()] != [], what="heartbeat")
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model="plain", messages=HELLO, max_tokens=2)
+            assert caught.value.param == "messages" and "chat" in caught.value.message
+            text = client.completions.create(model="plain", prompt="x", max_tokens=2)
+            assert text.choices[0].finish_reason == "length"
+    finally:
+        daemon.kill()
