@@ -3,14 +3,19 @@ worker runs it on batchd's bulk machinery, output and error files come back."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import openai
 import orjson
 import redis
+from rq.registry import StartedJobRegistry
 
-from producers.bulk import bulk_worker, run_bulk
+from producers.bulk import bulk_worker, rq_queue, run_bulk
+from support.daemon_harness import wait_until
 
 MODEL = "tiny"
 
@@ -80,3 +85,40 @@ def test_batchd_bulk_takes_an_openai_batch_file(gateway: Any, tmp_path: Path) ->
     assert summary["done"] == 1 and summary["failed"] == 0
     record = orjson.loads(out.read_bytes())
     assert record["custom_id"] == "a" and record["finish_reason"] == "length"
+
+
+def test_batch_resumes_after_its_worker_is_killed(
+    gateway: Any, oai: openai.OpenAI, tmp_path: Path
+) -> None:
+    """SIGKILL the bulk worker mid-batch; rq retries the abandoned run, which reattaches
+    to the jobs in flight: every request ends once, none is enqueued twice."""
+    lines = [
+        chat_line(f"k-{i}", f"resume {i}", max_tokens=4 if i == 0 else 1500, temperature=0)
+        for i in range(8)
+    ]
+    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
+        upload = oai.files.create(file=source, purpose="batch")
+    conn = redis.Redis.from_url(gateway.redis_url)
+    added = int(conn.xinfo_stream("batchd:queue:default")["entries-added"])
+    batch = oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    command = [sys.executable, "-m", "daemon.cli", "--redis-url", gateway.redis_url]
+    worker = subprocess.Popen([*command, "bulk-worker", "--burst", "--no-fork"])
+
+    def counts() -> Any:
+        return oai.batches.retrieve(batch.id).request_counts
+
+    wait_until(lambda: counts() is not None and counts().completed >= 1, timeout=60, what="1 done")
+    worker.kill()
+    worker.wait(10)
+    assert counts().completed < 8, "the batch ended before the kill: make it longer"
+    StartedJobRegistry(queue=rq_queue(conn)).cleanup(time.time() + 10**6)  # rq: abandoned
+    run_worker(gateway.redis_url)
+    done = oai.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (8, 0)
+    assert done.output_file_id is not None
+    output = [orjson.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in output] == [f"k-{i}" for i in range(8)]
+    assert int(conn.xinfo_stream("batchd:queue:default")["entries-added"]) - added == 8
