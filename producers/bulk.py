@@ -148,12 +148,13 @@ def run_bulk(
     limits: dict[str, Any] | None = None,
     connection: redis.Redis | None = None,
     stop_key: str | None = None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """The rq job: run every line of ``input_path``, append results to ``output_path``.
 
-    Outside an rq worker, pass ``connection``. Once ``stop_key`` exists in Redis the
-    run submits no more lines and cancels the jobs in flight (they are written as
-    cancelled). Returns the final progress.
+    Outside an rq worker, pass ``connection``. Once ``stop_key`` exists in Redis or
+    the ``deadline`` (Unix time) has passed, the run submits no more lines and cancels
+    the jobs in flight (they are written as cancelled). Returns the final progress.
     """
     rq_job = get_current_job()
     conn = connection if connection is not None else rq_job.connection if rq_job else None
@@ -166,12 +167,33 @@ def run_bulk(
     with ResultFile(Path(output_path)) as out:
         progress = Progress(total, len(out.done), rq_job)
         todo = ((n, line) for n, line in input_lines(source) if n not in out.done)
-        run = _Window(client, todo, out, progress, source=source, window=window, stop_key=stop_key)
+        stop = _Stop(conn, stop_key, deadline)
+        run = _Window(client, todo, out, progress, source=source, window=window, stop=stop)
         run.fill()
         for job_id, event in follow(conn, run.follower):
             run.deliver(job_id, event)
         progress.report(force=True)
     return progress.as_dict()
+
+
+class _Stop:
+    """When a run must stop: its stop key exists (read at most every PROGRESS_EVERY_S)
+    or its deadline has passed."""
+
+    def __init__(self, conn: redis.Redis, key: str | None, deadline: float | None) -> None:
+        self.conn = conn
+        self.key = key
+        self.deadline = deadline
+        self.checked = -PROGRESS_EVERY_S
+
+    def due(self) -> bool:
+        if self.deadline is not None and time.time() > self.deadline:
+            return True
+        now = time.monotonic()
+        if self.key is None or now - self.checked < PROGRESS_EVERY_S:
+            return False
+        self.checked = now
+        return bool(self.conn.exists(self.key))
 
 
 class _Window:
@@ -187,7 +209,7 @@ class _Window:
         *,
         source: Path,
         window: int,
-        stop_key: str | None = None,
+        stop: _Stop,
     ) -> None:
         self.client = client
         self.todo = todo
@@ -195,20 +217,14 @@ class _Window:
         self.progress = progress
         self.source = source
         self.window = window
-        self.stop_key = stop_key
+        self.stop = stop
         self.stopped = False
-        self.stop_checked = -PROGRESS_EVERY_S
         self.follower = client.follower()
         self.in_flight: dict[str, tuple[int, ResultBuilder, dict[str, Any]]] = {}
 
     def should_stop(self) -> bool:
-        """Whether the stop key appeared (read at most every PROGRESS_EVERY_S); on the
-        first sight, every job in flight is cancelled."""
-        now = time.monotonic()
-        if self.stopped or self.stop_key is None or now - self.stop_checked < PROGRESS_EVERY_S:
-            return self.stopped
-        self.stop_checked = now
-        if self.client.redis.exists(self.stop_key):
+        """Whether the run must stop; when it first must, every job in flight is cancelled."""
+        if not self.stopped and self.stop.due():
             self.stopped = True
             for job_id in list(self.in_flight):
                 self.client.cancel(job_id)

@@ -70,7 +70,8 @@ def output_line(record: dict[str, Any], *, created: int) -> tuple[bool, dict[str
     job_id = record.get("id") or f"line-{record['line']}"
     line: dict[str, Any] = {"id": f"batch_req_{job_id}", "custom_id": record.get("custom_id")}
     if "error" in record:
-        code = "job_" + str(record["reason"]) if "reason" in record else "invalid_request"
+        reason = record.get("reason")
+        code = record.get("code") or (f"job_{reason}" if reason else "invalid_request")
         line["response"] = None
         line["error"] = {"code": code, "message": record["error"]}
         return False, line

@@ -19,7 +19,7 @@ import redis
 from rq import get_current_job
 
 from producers.bulk import input_lines, run_bulk
-from producers.gateway.batch_lines import output_line
+from producers.gateway.batch_lines import custom_id_of, output_line
 from producers.gateway.store import (
     batch_key,
     decode,
@@ -62,22 +62,46 @@ def run_batch(
         limits=limits,
         connection=conn,
         stop_key=stop_key(keys, batch_id),
+        deadline=batch["expires_at"],
     )
-    cancelled = bool(conn.exists(stop_key(keys, batch_id)))
-    if not cancelled:
+    end = _ending(conn, keys, batch)
+    if end == "completed":
         _set(conn, key, status="finalizing", finalizing_at=batch.get("finalizing_at"))
-    total = sum(1 for _ in input_lines(file_path(folder, batch["input_file_id"])))
-    counts = finalize(conn, keys, batch_id, folder, results, total=total)
-    end = "cancelled" if cancelled else "completed"
+    source = file_path(folder, batch["input_file_id"])
+    counts = finalize(conn, keys, batch_id, folder, results, source, expired=end == "expired")
     _set(conn, key, status=end, request_counts=counts, **{f"{end}_at": None})
     return counts
 
 
+def _ending(conn: redis.Redis, keys: Keys, batch: dict[str, Any]) -> str:
+    """How a finished run ends: ``expired`` past the completion window, ``cancelled``
+    when asked to stop, else ``completed``."""
+    if time.time() > batch["expires_at"]:
+        return "expired"
+    return "cancelled" if conn.exists(stop_key(keys, batch["id"])) else "completed"
+
+
 def finalize(
-    conn: redis.Redis, keys: Keys, batch_id: str, folder: Path, results: Path, *, total: int
+    conn: redis.Redis,
+    keys: Keys,
+    batch_id: str,
+    folder: Path,
+    results: Path,
+    source: Path,
+    *,
+    expired: bool,
 ) -> dict[str, int]:
-    """Write the output and error files (in input order) and record them on the batch."""
+    """Write the output and error files (in input order) and record them on the batch.
+    An expired batch's lines that never ran go to the error file as ``batch_expired``."""
     records = [orjson.loads(raw) for raw in results.read_bytes().splitlines() if raw]
+    lines_in = list(input_lines(source))
+    if expired:
+        done = {int(r["line"]) for r in records}
+        records += [
+            {"line": n, **custom_id_of(text), "error": "the batch expired", "code": "batch_expired"}
+            for n, text in lines_in
+            if n not in done
+        ]
     records.sort(key=lambda r: int(r["line"]))
     created = int(time.time())
     lines: dict[bool, list[bytes]] = {True: [], False: []}
@@ -104,7 +128,7 @@ def finalize(
         conn.hset(file_key(keys, file_id), mapping=encode(record))  # type: ignore[arg-type]
         ids[field] = file_id
     conn.hset(batch_key(keys, batch_id), mapping=encode(ids))  # type: ignore[arg-type]
-    return {"total": total, "completed": len(lines[True]), "failed": len(lines[False])}
+    return {"total": len(lines_in), "completed": len(lines[True]), "failed": len(lines[False])}
 
 
 def _set(conn: redis.Redis, key: str, **fields: Any) -> None:

@@ -122,3 +122,22 @@ def test_batch_resumes_after_its_worker_is_killed(
     output = [orjson.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
     assert [o["custom_id"] for o in output] == [f"k-{i}" for i in range(8)]
     assert int(conn.xinfo_stream("batchd:queue:default")["entries-added"]) - added == 8
+
+
+def test_batch_past_its_window_expires(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
+    lines = [chat_line(f"e-{i}", "late", max_tokens=5) for i in range(2)]
+    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
+        upload = oai.files.create(file=source, purpose="batch")
+    batch = oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    conn = redis.Redis.from_url(gateway.redis_url)
+    conn.hset(f"batchd:gateway:batch:{batch.id}", "expires_at", orjson.dumps(int(time.time()) - 1))
+    run_worker(gateway.redis_url)
+    ended = oai.batches.retrieve(batch.id)
+    assert ended.status == "expired" and ended.error_file_id is not None
+    errors = [orjson.loads(x) for x in oai.files.content(ended.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("e-0", "batch_expired"),
+        ("e-1", "batch_expired"),
+    ]
