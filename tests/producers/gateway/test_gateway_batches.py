@@ -30,6 +30,15 @@ def chat_line(custom_id: str, content: str, **extra: Any) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
+def start_batch(oai: openai.OpenAI, tmp_path: Path, lines: list[dict[str, Any]]) -> Any:
+    """Upload ``lines`` as a batch file and create a chat batch on it."""
+    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
+        upload = oai.files.create(file=source, purpose="batch")
+    return oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
 def run_worker(redis_url: str) -> None:
     """One burst of `batchd bulk-worker --no-fork` (in this thread: rq wants the main one)."""
     assert bulk_worker(redis.Redis.from_url(redis_url), burst=True, fork=False)
@@ -38,11 +47,7 @@ def run_worker(redis_url: str) -> None:
 def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
     lines = [chat_line(f"req-{i}", f"prompt {i}", max_tokens=5, temperature=0) for i in range(4)]
     lines.append(chat_line("bad", "x", n=3))
-    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
-        upload = oai.files.create(file=source, purpose="batch")
-    batch = oai.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = start_batch(oai, tmp_path, lines)
     assert batch.status == "validating"
     run_worker(gateway.redis_url)
     done = oai.batches.retrieve(batch.id)
@@ -65,11 +70,7 @@ def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> N
 
 def test_batch_cancelled_before_it_runs(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
     lines = [chat_line(f"c-{i}", "long", max_tokens=50) for i in range(3)]
-    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
-        upload = oai.files.create(file=source, purpose="batch")
-    batch = oai.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = start_batch(oai, tmp_path, lines)
     assert oai.batches.cancel(batch.id).status == "cancelling"
     run_worker(gateway.redis_url)
     ended = oai.batches.retrieve(batch.id)
@@ -96,13 +97,9 @@ def test_batch_resumes_after_its_worker_is_killed(
         chat_line(f"k-{i}", f"resume {i}", max_tokens=4 if i == 0 else 1500, temperature=0)
         for i in range(8)
     ]
-    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
-        upload = oai.files.create(file=source, purpose="batch")
     conn = redis.Redis.from_url(gateway.redis_url)
     added = int(conn.xinfo_stream("batchd:queue:default")["entries-added"])
-    batch = oai.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = start_batch(oai, tmp_path, lines)
     command = [sys.executable, "-m", "daemon.cli", "--redis-url", gateway.redis_url]
     worker = subprocess.Popen([*command, "bulk-worker", "--burst", "--no-fork"])
 
@@ -126,11 +123,7 @@ def test_batch_resumes_after_its_worker_is_killed(
 
 def test_batch_past_its_window_expires(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
     lines = [chat_line(f"e-{i}", "late", max_tokens=5) for i in range(2)]
-    with batch_file(tmp_path / "in.jsonl", lines).open("rb") as source:
-        upload = oai.files.create(file=source, purpose="batch")
-    batch = oai.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = start_batch(oai, tmp_path, lines)
     conn = redis.Redis.from_url(gateway.redis_url)
     conn.hset(f"batchd:gateway:batch:{batch.id}", "expires_at", orjson.dumps(int(time.time()) - 1))
     run_worker(gateway.redis_url)
