@@ -56,7 +56,8 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
     try:
         import uvicorn
 
-        from producers.gateway.app import GatewayOptions, create_app
+        from producers.gateway.app import create_app
+        from producers.gateway.options import GatewayOptions
     except ImportError as exc:
         print(f"batchd: the gateway needs `pip install 'batchd[gateway]'` ({exc})", file=sys.stderr)
         return 2

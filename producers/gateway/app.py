@@ -11,8 +11,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 from starlette.applications import Starlette
@@ -21,32 +19,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from config import LimitSettings
 from producers.aio import AsyncClient
 from producers.gateway.batches import Batches
 from producers.gateway.errors import REDIS_DOWN, APIError
 from producers.gateway.fleet import Fleet
 from producers.gateway.guard import Guard
 from producers.gateway.online import Online
-from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from producers.gateway.options import GatewayOptions
+from producers.keys import Keys
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GatewayOptions:
-    """What ``batchd gateway`` is told; every bound is per gateway process."""
-
-    queue: str = DEFAULT_QUEUE
-    prefix: str = DEFAULT_PREFIX
-    api_keys: list[str] = field(default_factory=list)
-    max_body_bytes: int = 4 << 20
-    max_file_bytes: int = 200 << 20
-    max_in_flight_per_key: int = 256
-    max_backlog: int = 1024
-    files_dir: Path = Path(".batchd/gateway-files")
-    batch_window: int = 64
-    limits: LimitSettings | None = field(default_factory=LimitSettings)
 
 
 def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
@@ -100,6 +82,7 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await client.aclose()
+        batches.close()
 
     return Starlette(
         routes=routes,

@@ -28,6 +28,7 @@ from producers.gateway.batch_lines import ENDPOINTS
 from producers.gateway.errors import APIError, invalid, not_found
 from producers.gateway.guard import Guard
 from producers.gateway.online import parse_body
+from producers.gateway.options import GatewayOptions
 from producers.gateway.store import (
     TERMINAL,
     batch_key,
@@ -49,7 +50,12 @@ class Batches:
     """Files and batches of one gateway (see the module doc)."""
 
     def __init__(
-        self, redis: aioredis.Redis, redis_url: str, keys: Keys, guard: Guard, options: Any
+        self,
+        redis: aioredis.Redis,
+        redis_url: str,
+        keys: Keys,
+        guard: Guard,
+        options: GatewayOptions,
     ) -> None:
         self.redis = redis
         self.sync = _sync_redis(redis_url)
@@ -57,6 +63,9 @@ class Batches:
         self.guard = guard
         self.options = options
         self.files_dir = options.files_dir
+
+    def close(self) -> None:
+        self.sync.close()
 
     def routes(self) -> list[Route]:
         return [

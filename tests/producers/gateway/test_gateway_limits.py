@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from producers.gateway.app import GatewayOptions
+from producers.gateway.options import GatewayOptions
 from producers.schema import JobState, JobStatus
 from support.redis_server import free_port
 

@@ -4,7 +4,11 @@ a real redis-server and a real daemon on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +19,9 @@ import pytest
 
 from daemon.cli import main as cli_main
 from producers.client import Client
-from producers.gateway.app import GatewayOptions
+from producers.gateway.options import GatewayOptions
 from support.daemon_harness import DaemonProcess, daemon_config, wait_until
+from support.redis_server import free_port
 
 MODEL = "tiny"
 API_KEY = "sk-test-gateway"
@@ -164,3 +169,26 @@ def test_chat_on_a_model_without_a_chat_template_is_a_400(
             assert text.choices[0].finish_reason == "length"
     finally:
         daemon.kill()
+
+
+def test_batchd_gateway_command(gateway: Any) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "daemon.cli", "--redis-url", gateway.redis_url, "gateway"]
+    env = {**os.environ, "BATCHD_GATEWAY_API_KEYS": "sk-env"}
+    proc = subprocess.Popen([*command, "--port", str(port), "--api-key", "sk-flag"], env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{base}/health").json()["daemons"] == 1
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=30, what="batchd gateway")
+        for key in ("sk-flag", "sk-env"):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+            assert Path(client.models.list().data[0].id).name == MODEL
+    finally:
+        proc.terminate()
+        assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
