@@ -31,6 +31,7 @@ from producers.gateway.online import parse_body
 from producers.gateway.options import GatewayOptions
 from producers.gateway.store import (
     TERMINAL,
+    batch_index,
     batch_key,
     decode,
     encode,
@@ -73,6 +74,7 @@ class Batches:
             Route("/v1/files/{file_id}", self.file, methods=["GET"]),
             Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
             Route("/v1/batches", self.create, methods=["POST"]),
+            Route("/v1/batches", self.listing, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
         ]
@@ -144,6 +146,7 @@ class Batches:
             "metadata": body.get("metadata"),
         }
         await self.redis.hset(batch_key(self.keys, batch_id), mapping=encode(record))  # type: ignore[arg-type]
+        await self.redis.zadd(batch_index(self.keys), {batch_id: time.time()})
         await run_in_threadpool(self._enqueue, batch_id)
         return JSONResponse(record)
 
@@ -163,6 +166,33 @@ class Batches:
             retry=Retry(max=ABANDONED_RETRIES),
             job_id=batch_id,
             description=f"OpenAI batch {batch_id}",
+        )
+
+    async def listing(self, request: Request) -> Response:
+        """Newest first, ``limit`` (1-100, default 20) at a time after the id ``after``."""
+        self.guard.caller(request)
+        limit_text = request.query_params.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise invalid("limit", "must be an integer from 1 to 100")
+        limit, after = int(limit_text), request.query_params.get("after")
+        index = batch_index(self.keys)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(index, after)
+            if not isinstance(rank, int):
+                raise not_found("batch", after, param="after", code="batch_not_found")
+            start = rank + 1
+        ids = await self.redis.zrevrange(index, start, start + limit)
+        names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        data = [await self._batch(name) for name in names[:limit]]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": len(names) > limit,
+            }
         )
 
     async def retrieve(self, request: Request) -> Response:

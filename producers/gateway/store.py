@@ -43,6 +43,11 @@ def batch_key(keys: Keys, batch_id: str) -> str:
     return f"{keys.prefix}:gateway:batch:{batch_id}"
 
 
+def batch_index(keys: Keys) -> str:
+    """Sorted set of batch ids by creation time (for ``GET /v1/batches``)."""
+    return f"{keys.prefix}:gateway:batches"
+
+
 def stop_key(keys: Keys, batch_id: str) -> str:
     return f"{batch_key(keys, batch_id)}:stop"
 

@@ -134,3 +134,12 @@ def test_batch_past_its_window_expires(gateway: Any, oai: openai.OpenAI, tmp_pat
         ("e-0", "batch_expired"),
         ("e-1", "batch_expired"),
     ]
+
+
+def test_batches_list_newest_first(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
+    made = [start_batch(oai, tmp_path, [chat_line("l", "x", max_tokens=1)]).id for _ in range(3)]
+    page = oai.batches.list(limit=2)
+    assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
+    assert [b.id for b in oai.batches.list(limit=1, after=made[1]).data] == [made[0]]
+    for batch_id in made:  # leave nothing for the other tests' workers
+        oai.batches.cancel(batch_id)

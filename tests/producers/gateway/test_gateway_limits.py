@@ -58,11 +58,13 @@ def test_jobs_in_flight_per_key_and_backlog_bounds(
     with start_gateway(gateway.redis_url, options) as gw:
         client = openai.OpenAI(base_url=gw.base_url, api_key=API_KEY, max_retries=0)
         stream = client.completions.create(**LONG, stream=True)
-        next(iter(stream))
+        job_id = next(iter(stream)).id.removeprefix("cmpl-")
         with pytest.raises(openai.RateLimitError) as caught:
             client.completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert caught.value.response.headers["retry-after"] == "1"
-        stream.close()
+        stream.close()  # the openai SDK leaving a stream: the job is cancelled, the slot free
+        wait_state(gateway.redis_url, job_id, JobState.cancelled)
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
     options = GatewayOptions(api_keys=[API_KEY], files_dir=tmp_path, max_backlog=0)
     with start_gateway(gateway.redis_url, options) as gw:
         client = openai.OpenAI(base_url=gw.base_url, api_key=API_KEY, max_retries=0)
