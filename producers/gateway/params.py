@@ -39,11 +39,12 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
     "user": lambda v: True,  # an end-user id for abuse tracking: no effect on output
-    "metadata": lambda v: True,  # OpenAI's stored-completion tags: kept on the job
+    "metadata": lambda v: v is None or isinstance(v, dict),  # tags: kept on the job
 }
 WHY_REFUSED = {
     "n": "greater than 1 is not supported yet (one completion per request)",
     "best_of": "greater than 1 is not supported yet",
+    "metadata": "must be an object",
     "top_logprobs": "is not supported: the gateway has no tokenizer to name alternative "
     "tokens (logprobs: true gives each generated token's logprob)",
     "response_format": "other than {'type': 'text'} is not supported (no constrained decoding)",

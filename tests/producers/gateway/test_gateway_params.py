@@ -58,6 +58,7 @@ def test_completion_prompt_forms() -> None:
         ),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": ""}, "model"),
+        ({"metadata": "tag"}, "metadata"),
     ],
 )
 def test_refusals_name_the_param(body: dict[str, Any], param: str) -> None:
