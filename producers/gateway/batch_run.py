@@ -21,6 +21,7 @@ from rq import get_current_job
 from producers.bulk import input_lines, run_bulk
 from producers.gateway.batch_lines import custom_id_of, output_line
 from producers.gateway.store import (
+    OWNER,
     batch_key,
     decode,
     encode,
@@ -68,7 +69,7 @@ def run_batch(
     if end == "completed":
         _set(conn, key, status="finalizing", finalizing_at=batch.get("finalizing_at"))
     source = file_path(folder, batch["input_file_id"])
-    counts = finalize(conn, keys, batch_id, folder, results, source, expired=end == "expired")
+    counts = finalize(conn, keys, batch, folder, results, source, expired=end == "expired")
     _set(conn, key, status=end, request_counts=counts, **{f"{end}_at": None})
     return counts
 
@@ -84,7 +85,7 @@ def _ending(conn: redis.Redis, keys: Keys, batch: dict[str, Any]) -> str:
 def finalize(
     conn: redis.Redis,
     keys: Keys,
-    batch_id: str,
+    batch: dict[str, Any],
     folder: Path,
     results: Path,
     source: Path,
@@ -92,7 +93,9 @@ def finalize(
     expired: bool,
 ) -> dict[str, int]:
     """Write the output and error files (in input order) and record them on the batch.
-    An expired batch's lines that never ran go to the error file as ``batch_expired``."""
+    An expired batch's lines that never ran go to the error file as ``batch_expired``.
+    The files belong to the batch's owner."""
+    batch_id = batch["id"]
     records = [orjson.loads(raw) for raw in results.read_bytes().splitlines() if raw]
     lines_in = list(input_lines(source))
     if expired:
@@ -125,7 +128,8 @@ def finalize(
             purpose="batch_output",
             created_at=created,
         )
-        conn.hset(file_key(keys, file_id), mapping=encode(record))  # type: ignore[arg-type]
+        stored = encode({**record, OWNER: batch.get(OWNER)})
+        conn.hset(file_key(keys, file_id), mapping=stored)  # type: ignore[arg-type]
         ids[field] = file_id
     conn.hset(batch_key(keys, batch_id), mapping=encode(ids))  # type: ignore[arg-type]
     return {"total": len(lines_in), "completed": len(lines[True]), "failed": len(lines[False])}

@@ -30,15 +30,16 @@ from producers.gateway.guard import Guard
 from producers.gateway.online import parse_body
 from producers.gateway.options import GatewayOptions
 from producers.gateway.store import (
+    OWNER,
     TERMINAL,
     batch_index,
     batch_key,
-    decode,
     encode,
     file_key,
     file_path,
     file_record,
     new_id,
+    owned,
     stop_key,
 )
 from producers.keys import Keys
@@ -80,7 +81,7 @@ class Batches:
         ]
 
     async def upload(self, request: Request) -> Response:
-        self.guard.caller(request)
+        owner = self.guard.owner(request)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.options.max_file_bytes:
             raise APIError(413, f"file exceeds {self.options.max_file_bytes} bytes", param="file")
@@ -98,34 +99,36 @@ class Batches:
         record = file_record(
             file_id, filename=filename, size=len(data), purpose=purpose, created_at=int(time.time())
         )
-        await self.redis.hset(file_key(self.keys, file_id), mapping=encode(record))  # type: ignore[arg-type]
+        stored = encode({**record, OWNER: owner})
+        await self.redis.hset(file_key(self.keys, file_id), mapping=stored)  # type: ignore[arg-type]
         return JSONResponse(record)
 
-    async def _file(self, file_id: str) -> dict[str, Any]:
-        raw = await self.redis.hgetall(file_key(self.keys, file_id))
-        if not raw:
+    async def _file(self, file_id: str, owner: str | None) -> dict[str, Any]:
+        """The file record; 404 when it does not exist or is another key's."""
+        record = owned(await self.redis.hgetall(file_key(self.keys, file_id)), owner)
+        if record is None:
             raise not_found("file", file_id, param="file_id", code="file_not_found")
-        return decode(raw)
+        return record
 
     async def file(self, request: Request) -> Response:
-        self.guard.caller(request)
-        return JSONResponse(await self._file(request.path_params["file_id"]))
+        owner = self.guard.owner(request)
+        return JSONResponse(await self._file(request.path_params["file_id"], owner))
 
     async def content(self, request: Request) -> Response:
-        self.guard.caller(request)
-        record = await self._file(request.path_params["file_id"])
+        owner = self.guard.owner(request)
+        record = await self._file(request.path_params["file_id"], owner)
         data = await run_in_threadpool(file_path(self.files_dir, record["id"]).read_bytes)
         return Response(data, media_type="application/jsonl")
 
     async def create(self, request: Request) -> Response:
-        self.guard.caller(request)
+        owner = self.guard.owner(request)
         body = parse_body(await self.guard.body(request))
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
             raise invalid("endpoint", f"must be one of {', '.join(ENDPOINTS)}")
         if window != COMPLETION_WINDOW:
             raise invalid("completion_window", f"must be {COMPLETION_WINDOW!r}")
-        source = await self._file(str(body.get("input_file_id")))
+        source = await self._file(str(body.get("input_file_id")), owner)
         if source["purpose"] != "batch":
             raise invalid("input_file_id", "the file's purpose is not 'batch'")
         created = int(time.time())
@@ -145,8 +148,9 @@ class Batches:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": body.get("metadata"),
         }
-        await self.redis.hset(batch_key(self.keys, batch_id), mapping=encode(record))  # type: ignore[arg-type]
-        await self.redis.zadd(batch_index(self.keys), {batch_id: time.time()})
+        stored = encode({**record, OWNER: owner})
+        await self.redis.hset(batch_key(self.keys, batch_id), mapping=stored)  # type: ignore[arg-type]
+        await self.redis.zadd(batch_index(self.keys, owner), {batch_id: time.time()})
         await run_in_threadpool(self._enqueue, batch_id)
         return JSONResponse(record)
 
@@ -170,12 +174,12 @@ class Batches:
 
     async def listing(self, request: Request) -> Response:
         """Newest first, ``limit`` (1-100, default 20) at a time after the id ``after``."""
-        self.guard.caller(request)
+        owner = self.guard.owner(request)
         limit_text = request.query_params.get("limit", "20")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
             raise invalid("limit", "must be an integer from 1 to 100")
         limit, after = int(limit_text), request.query_params.get("after")
-        index = batch_index(self.keys)
+        index = batch_index(self.keys, owner)
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(index, after)
@@ -184,7 +188,7 @@ class Batches:
             start = rank + 1
         ids = await self.redis.zrevrange(index, start, start + limit)
         names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
-        data = [await self._batch(name) for name in names[:limit]]
+        data = [await self._batch(name, owner) for name in names[:limit]]
         return JSONResponse(
             {
                 "object": "list",
@@ -196,14 +200,14 @@ class Batches:
         )
 
     async def retrieve(self, request: Request) -> Response:
-        self.guard.caller(request)
-        return JSONResponse(await self._batch(request.path_params["batch_id"]))
+        owner = self.guard.owner(request)
+        return JSONResponse(await self._batch(request.path_params["batch_id"], owner))
 
-    async def _batch(self, batch_id: str) -> dict[str, Any]:
-        raw = await self.redis.hgetall(batch_key(self.keys, batch_id))
-        if not raw:
+    async def _batch(self, batch_id: str, owner: str | None) -> dict[str, Any]:
+        """The batch as OpenAI shows it; 404 when it does not exist or is another key's."""
+        batch = owned(await self.redis.hgetall(batch_key(self.keys, batch_id)), owner)
+        if batch is None:
             raise not_found("batch", batch_id, param="batch_id", code="batch_not_found")
-        batch = decode(raw)
         if batch["status"] in TERMINAL:
             return batch
         status, progress = await run_in_threadpool(self._runner, batch_id)
@@ -226,9 +230,9 @@ class Batches:
         return job.get_status(), job.get_meta().get("progress") or {}
 
     async def cancel(self, request: Request) -> Response:
-        self.guard.caller(request)
+        owner = self.guard.owner(request)
         batch_id = request.path_params["batch_id"]
-        batch = await self._batch(batch_id)
+        batch = await self._batch(batch_id, owner)
         if batch["status"] in TERMINAL:
             raise APIError(
                 409, f"batch {batch_id} is already {batch['status']}", code="batch_not_cancellable"

@@ -8,6 +8,7 @@ a slot from submit until its answer is sent or its client is gone.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections import Counter
 
@@ -41,6 +42,12 @@ class Guard:
             "Incorrect API key provided" if token else "Missing API key (Authorization: Bearer)",
             code="invalid_api_key",
         )
+
+    def owner(self, request: Request) -> str | None:
+        """Whose files and batches a request may see: a digest of its key (never the key
+        itself, which is not stored), or None when keys are off (everything is shared)."""
+        caller = self.caller(request)
+        return hashlib.sha256(caller.encode()).hexdigest()[:24] if self.api_keys else None
 
     async def body(self, request: Request) -> bytes:
         """The request body, refused (413) past ``max_body_bytes`` without reading it all."""

@@ -29,6 +29,8 @@ BATCH_STATUSES = (
     "expired",
 )
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
+# Hash field of a file's or batch's owner (a key digest, see Guard.owner); never answered.
+OWNER = "owner"
 
 
 def new_id(kind: str) -> str:
@@ -43,9 +45,9 @@ def batch_key(keys: Keys, batch_id: str) -> str:
     return f"{keys.prefix}:gateway:batch:{batch_id}"
 
 
-def batch_index(keys: Keys) -> str:
-    """Sorted set of batch ids by creation time (for ``GET /v1/batches``)."""
-    return f"{keys.prefix}:gateway:batches"
+def batch_index(keys: Keys, owner: str | None) -> str:
+    """Sorted set of one owner's batch ids by creation time (for ``GET /v1/batches``)."""
+    return f"{keys.prefix}:gateway:batches" + (f":{owner}" if owner else "")
 
 
 def stop_key(keys: Keys, batch_id: str) -> str:
@@ -74,6 +76,12 @@ def file_record(
 def encode(record: dict[str, Any]) -> dict[str, bytes]:
     """A record as hash fields (each value JSON, so None and numbers survive)."""
     return {k: orjson.dumps(v) for k, v in record.items()}
+
+
+def owned(raw: dict[Any, Any], owner: str | None) -> dict[str, Any] | None:
+    """The record without its owner field, or None when it is not ``owner``'s."""
+    record = decode(raw)
+    return record if record.pop(OWNER, None) == owner else None
 
 
 def decode(raw: dict[Any, Any]) -> dict[str, Any]:

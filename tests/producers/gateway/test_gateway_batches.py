@@ -11,10 +11,12 @@ from typing import Any
 
 import openai
 import orjson
+import pytest
 import redis
 from rq.registry import StartedJobRegistry
 
 from producers.bulk import bulk_worker, rq_queue, run_bulk
+from producers.gateway.options import GatewayOptions
 from support.daemon_harness import wait_until
 
 MODEL = "tiny"
@@ -143,3 +145,20 @@ def test_batches_list_newest_first(gateway: Any, oai: openai.OpenAI, tmp_path: P
     assert [b.id for b in oai.batches.list(limit=1, after=made[1]).data] == [made[0]]
     for batch_id in made:  # leave nothing for the other tests' workers
         oai.batches.cancel(batch_id)
+
+
+def test_files_and_batches_belong_to_their_key(
+    gateway: Any, tmp_path: Path, start_gateway: Any
+) -> None:
+    options = GatewayOptions(api_keys=["sk-a", "sk-b"], files_dir=tmp_path)
+    with start_gateway(gateway.redis_url, options) as gw:
+        a, b = (
+            openai.OpenAI(base_url=gw.base_url, api_key=k, max_retries=0) for k in options.api_keys
+        )
+        batch = start_batch(a, tmp_path, [chat_line("o", "x", max_tokens=1)])
+        with pytest.raises(openai.NotFoundError):
+            b.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            b.files.content(batch.input_file_id)
+        assert b.batches.list().data == [] and [x.id for x in a.batches.list().data] == [batch.id]
+        assert a.batches.cancel(batch.id).status == "cancelling"
