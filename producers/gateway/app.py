@@ -65,9 +65,11 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
         try:
             await client.redis.ping()
             daemons = len(await fleet.daemons())
+            backlog = await fleet.backlog()
         except (redis.RedisError, OSError):
             return JSONResponse({"status": "unavailable", "redis": False, "daemons": 0}, 503)
-        return JSONResponse({"status": "ok", "redis": True, "daemons": daemons})
+        figures = {"redis": True, "daemons": daemons, "queue": options.queue, "backlog": backlog}
+        return JSONResponse({"status": "ok", **figures})
 
     routes = [
         Route("/v1/chat/completions", online.chat, methods=["POST"]),

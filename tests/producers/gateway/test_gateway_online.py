@@ -137,7 +137,7 @@ def test_auth_and_health(gateway: Any) -> None:
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     health = httpx.get(f"{gateway.url}/health").json()
-    assert health == {"status": "ok", "redis": True, "daemons": 1}
+    assert health == {"status": "ok", "redis": True, "daemons": 1, "queue": "default", "backlog": 0}
 
 
 def test_chat_on_a_model_without_a_chat_template_is_a_400(
