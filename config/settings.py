@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -73,6 +73,12 @@ class DaemonSettings(_Section):
     redis_retry_max_s: float = Field(
         5.0, gt=0, description="Longest backoff between Redis reconnection attempts."
     )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of the Prometheus /metrics endpoint; unset: off."
+    )
+    metrics_addr: str = Field(
+        "127.0.0.1", min_length=1, description="Address the metrics endpoint listens on."
+    )
 
     @field_validator("consumer_name")
     @classmethod
@@ -102,6 +108,9 @@ class Settings(BaseSettings):
         86400, ge=1, description="Seconds a finished job's events and status are kept."
     )
     log_level: str = Field("INFO", description="Logging level (DEBUG, INFO, WARNING, ERROR).")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or one JSON object per line."
+    )
     # The engine's own dataclass is the one definition of its options: pydantic validates
     # the fields by their types and runs EngineConfig's cross-field checks.
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
 from config import Settings, SettingsError, load_settings
+from producers.telemetry import LOG_FORMATS, configure_logging
 
 COMMAND_MODULES = (
     "producers.commands.jobs",
@@ -34,24 +34,51 @@ def build_parser() -> argparse.ArgumentParser:
         prog="batchd",
         description="Message-queue driven LLM generation on MLX.",
     )
+    add_global_options(parser, default=None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    # People type `batchd serve --redis-url URL` as often as `batchd --redis-url URL serve`:
+    # every subcommand takes the global options too. SUPPRESS keeps a value given before
+    # the subcommand when none is given after it.
+    for subparser in set(sub.choices.values()):
+        add_global_options(subparser, default=argparse.SUPPRESS)
+    return parser
+
+
+def add_global_options(parser: argparse.ArgumentParser, *, default: str | None) -> None:
+    """The options every command takes, before or after its name."""
     parser.add_argument(
-        "--config", metavar="FILE", help="TOML settings file (default: $BATCHD_CONFIG)"
+        "--config",
+        metavar="FILE",
+        default=default,
+        help="TOML settings file (default: $BATCHD_CONFIG)",
     )
     parser.add_argument(
         "--redis-url",
         metavar="URL",
+        default=default,
         help="Redis URL (default: $BATCHD_REDIS_URL or redis://127.0.0.1:6379/0)",
     )
-    parser.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    return parser
+    parser.add_argument(
+        "--log-level", metavar="LEVEL", default=default, help="DEBUG, INFO, WARNING or ERROR"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=default,
+        help="log lines as text (default) or one JSON object per line",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings with the global flags applied on top of env and config file."""
-    return load_settings(args.config, redis_url=args.redis_url, log_level=args.log_level)
+    return load_settings(
+        args.config,
+        redis_url=args.redis_url,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,11 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"batchd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_level, settings.log_format)
     try:
         code: int = args.func(args, settings)
     except KeyboardInterrupt:

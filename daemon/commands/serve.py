@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import time
 from typing import Any
 
 from config import Settings
@@ -36,10 +38,11 @@ def register(sub: Any) -> None:
         help="stable consumer name (default: daemon.consumer_name, else host:pid)",
     )
     p.add_argument(
-        "--config",
-        metavar="FILE",
-        default=argparse.SUPPRESS,
-        help="TOML settings file (same as batchd --config FILE)",
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://<daemon.metrics_addr>:PORT/metrics "
+        "(default: daemon.metrics_port; unset: off)",
     )
     p.set_defaults(func=run)
 
@@ -51,8 +54,13 @@ def apply_args(settings: Settings, args: argparse.Namespace) -> Settings:
         update["model"] = args.model
     if args.queues:
         update["queues"] = args.queues
+    daemon: dict[str, Any] = {}
     if args.consumer_name:
-        update["daemon"] = settings.daemon.model_copy(update={"consumer_name": args.consumer_name})
+        daemon["consumer_name"] = args.consumer_name
+    if args.metrics_port is not None:
+        daemon["metrics_port"] = args.metrics_port
+    if daemon:
+        update["daemon"] = settings.daemon.model_copy(update=daemon)
     return settings.model_copy(update=update)
 
 
@@ -62,18 +70,63 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print("batchd serve: no model: give --model or set model / BATCHD_MODEL", file=sys.stderr)
         return 2
     consumer = settings.daemon.consumer_name or default_consumer_name()
+    log.info(
+        "batchd serve starting: model %s, queues %s",
+        settings.model,
+        settings.queues,
+        extra={"event": "daemon_starting", "consumer": consumer, "pid": os.getpid()},
+    )
+    from daemon.ops.observer import Ops
+    from daemon.ops.prom import DaemonMetrics
     from daemon.worker.loop import Worker
     from daemon.worker.mlx_generator import MLXGenerator
 
-    log.info("loading model %s", settings.model)
+    metrics = None
+    if settings.daemon.metrics_port is not None:
+        metrics = DaemonMetrics(model=settings.model, consumer=consumer)
+        if not _serve_metrics(settings, metrics):
+            return 2
+
+    began = time.monotonic()
     try:
         generator = MLXGenerator.from_pretrained(settings.model, settings.engine)
     except (OSError, ValueError) as exc:
         print(f"batchd serve: cannot load model {settings.model!r}: {exc}", file=sys.stderr)
         return 2
-    worker = Worker(settings, generator, consumer=consumer)
+    log.info(
+        "model %s loaded in %.1fs",
+        settings.model,
+        time.monotonic() - began,
+        extra={"event": "model_loaded"},
+    )
+    ops = Ops.for_service(settings, metrics=metrics)
+    worker = Worker(settings, generator, consumer=consumer, ops=ops)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.request_stop())
-    worker.run()
-    log.info("stopped")
+    try:
+        worker.run()
+    except Exception:
+        # Exit non-zero so that the supervisor restarts us (Restart=on-failure, KeepAlive):
+        # the jobs held stay pending and are taken back from their events streams.
+        log.exception("daemon failed", extra={"event": "daemon_failed"})
+        return 1
+    log.info("stopped", extra={"event": "stopped"})
     return 0
+
+
+def _serve_metrics(settings: Settings, metrics: Any) -> bool:
+    """Start the metrics endpoint; False (said on stderr) when its address is unusable."""
+    from producers.telemetry import serve_metrics
+
+    addr, port = settings.daemon.metrics_addr, settings.daemon.metrics_port
+    assert port is not None
+    try:
+        serve_metrics(port, addr=addr, registry=metrics.registry)
+    except OSError as exc:
+        print(
+            f"batchd serve: cannot serve metrics on {addr}:{port} "
+            f"(daemon.metrics_port / --metrics-port, daemon.metrics_addr): {exc}",
+            file=sys.stderr,
+        )
+        return False
+    return True

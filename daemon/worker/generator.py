@@ -68,11 +68,15 @@ class StepView:
 
 @dataclass(frozen=True)
 class Load:
-    """How busy the engine is (for backpressure and the heartbeat)."""
+    """How busy the engine is (for backpressure, the heartbeat and the metrics)."""
 
     running: int
     waiting: int
     kv_usage: float
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    # Prefix-cache tokens reused / tokens looked up at admissions, since start.
+    prefix_cache_hit_rate: float = 0.0
 
 
 class Generator(Protocol):

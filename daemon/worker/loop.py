@@ -27,6 +27,7 @@ from config import Settings
 from daemon.fleet.heartbeat import Heartbeat
 from daemon.fleet.housekeeping import trim_acked
 from daemon.fleet.recovery import Recovery
+from daemon.ops.observer import Ops
 from daemon.worker import crashpoint
 from daemon.worker.control import Cancellations
 from daemon.worker.generator import Generator, JobRejected, JobStart, StepView, TokenOut
@@ -54,11 +55,13 @@ class Worker:
         *,
         consumer: str,
         on_step: StepObserver | None = None,
+        ops: Ops | None = None,
     ) -> None:
         self.settings = settings
         self.gen = generator
         self.consumer = consumer
         self.on_step = on_step
+        self.ops = ops or Ops(model=settings.model)
         self.keys = Keys(settings.key_prefix)
         self.queues = list(settings.queues)
         self.redis = connect(settings)
@@ -102,6 +105,7 @@ class Worker:
             return
         self.stopping = True
         self.deadline = time.monotonic() + self.settings.daemon.grace_period_s
+        self.ops.stopping(self.jobs)
         log.info(
             "stopping: intake closed, %d job(s) get %.0fs to finish",
             len(self.jobs),
@@ -115,7 +119,13 @@ class Worker:
         if not self._join():
             self.heartbeat.stop(remove=True)
             return
-        log.info("serving queues %s as consumer %s", self.queues, self.consumer)
+        log.info(
+            "serving queues %s as consumer %s",
+            self.queues,
+            self.consumer,
+            extra={"event": "serving", "consumer": self.consumer},
+        )
+        self.ops.ready(self)
         while not self._done():
             self.intake()
             self.control()
@@ -179,9 +189,11 @@ class Worker:
             if self.backoff.down:
                 time.sleep(min(self.backoff.delay(), 0.1))
             return
+        began = time.monotonic()
         outputs = self.gen.step()
         view = self.gen.last_step()
         self.meter.step(view, len(outputs))
+        self.ops.stepped(view, outputs, time.monotonic() - began)
         crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
         for out in outputs:
             job = self.jobs[out.job_id]
@@ -215,6 +227,7 @@ class Worker:
         for job in result.finished:
             del self.jobs[job.job_id]
             self.meter.finished(job)
+            self.ops.finished(job)
         for job in result.lost:
             log.error("job %s: another daemon owns it now; dropped here", job.job_id)
             if job.in_engine:
@@ -227,6 +240,7 @@ class Worker:
         """Claims of dead daemons' jobs and housekeeping, and heartbeat figures."""
         now = time.monotonic()
         self.heartbeat.update(**self._figures())
+        self.ops.tick(self)
         opts = self.settings.daemon
         # After an outage, live daemons need a heartbeat TTL to refresh their keys.
         settled = now - self.backoff.up_since >= opts.heartbeat_ttl_s
@@ -293,6 +307,7 @@ class Worker:
             job.end(done)
         else:
             job.in_engine = True
+            self.ops.started(job)
             if job.output_token_ids:
                 log.info("job %s resumed at seq %d", job.job_id, job.next_seq)
 

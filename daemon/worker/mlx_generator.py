@@ -76,6 +76,9 @@ class MLXGenerator:
             running=stats.num_running,
             waiting=stats.num_waiting,
             kv_usage=stats.kv_blocks_used / total,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         )
 
     def last_step(self) -> StepView:

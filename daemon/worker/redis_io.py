@@ -54,6 +54,9 @@ class Backoff:
         self.base_s = base_s
         self.clock = clock
         self.failures = 0
+        # Since start, for the metrics: failed attempts, and outages that ended.
+        self.errors_total = 0
+        self.reconnects_total = 0
         self.down_since: float | None = None
         self.next_try = 0.0
         self.up_since = clock()
@@ -74,18 +77,29 @@ class Backoff:
         now = self.clock()
         wait = min(self.cap_s, self.base_s * 2**self.failures)
         self.failures += 1
+        self.errors_total += 1
         self.next_try = now + wait
         if self.down_since is None:
             self.down_since = now
-            log.warning("redis unreachable while %s (%s); retrying with backoff", doing, exc)
+            log.warning(
+                "redis unreachable while %s (%s); retrying with backoff",
+                doing,
+                exc,
+                extra={"event": "redis_lost"},
+            )
         else:
             log.debug("redis still unreachable while %s (%s); next try in %.2fs", doing, exc, wait)
 
     def succeeded(self) -> None:
         if self.down_since is not None:
             now = self.clock()
-            log.warning("redis is back after %.1fs; carrying on", now - self.down_since)
+            log.warning(
+                "redis is back after %.1fs; carrying on",
+                now - self.down_since,
+                extra={"event": "redis_back"},
+            )
             self.up_since = now
+            self.reconnects_total += 1
         self.down_since = None
         self.failures = 0
         self.next_try = 0.0

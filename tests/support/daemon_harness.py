@@ -189,9 +189,10 @@ class DaemonProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         consumer: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         args = [sys.executable, "-m", "daemon.cli", "--config", str(config), "serve"]
-        args += ["--model", str(model)]
+        args += ["--model", str(model), *extra_args]
         if consumer:
             args += ["--consumer-name", consumer]
         self.log_path = log_path

@@ -1,0 +1,140 @@
+"""The loop's single window to the outside: supervisor, metrics, lifecycle log lines.
+
+The worker calls these hooks on its engine thread; each is cheap when its
+part is off (no systemd, no metrics port). Log lines carry ``event`` and
+``job_id`` fields (``--log-format json`` makes them searchable): one line when
+a job starts and one when it ends, never one per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from config import Settings
+from daemon.ops.faults import EngineFaults
+from daemon.ops.notify import Notifier
+from daemon.ops.supervisor import Supervisor
+from daemon.worker.generator import Generator, StepView, TokenOut
+from daemon.worker.jobs import Job
+from daemon.worker.metrics import Meter
+from daemon.worker.redis_io import Backoff
+from producers.schema import FINAL_STATE, FinishReason
+
+if TYPE_CHECKING:  # prometheus-client is imported only when metrics are on
+    from daemon.ops.prom import DaemonMetrics
+
+log = logging.getLogger("daemon.jobs")
+
+
+class WorkerState(Protocol):
+    """What the hooks read of the worker, once per loop turn."""
+
+    gen: Generator
+    jobs: dict[str, Job]
+    backoff: Backoff
+    meter: Meter
+    queues: list[str]
+    stopping: bool
+
+
+class Ops:
+    """Hooks of the worker loop. ``Ops()`` only logs; the service adds the rest."""
+
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        supervisor: Supervisor | None = None,
+        metrics: DaemonMetrics | None = None,
+        faults: EngineFaults | None = None,
+    ) -> None:
+        self.model = model
+        self.supervisor = supervisor or Supervisor(Notifier(None), watchdog_s=None)
+        self.metrics = metrics
+        self.faults = faults or EngineFaults(None)
+
+    @classmethod
+    def for_service(cls, settings: Settings, *, metrics: DaemonMetrics | None) -> Ops:
+        """Ops of ``batchd serve``: systemd from the environment, the test fault hook."""
+        return cls(
+            model=settings.model,
+            supervisor=Supervisor.from_env(),
+            metrics=metrics,
+            faults=EngineFaults.from_env(),
+        )
+
+    def ready(self, worker: WorkerState) -> None:
+        self.supervisor.ready(self._status(worker))
+
+    def started(self, job: Job) -> None:
+        log.info(
+            "job %s started",
+            job.job_id,
+            extra={
+                "event": "job_started",
+                "queue": job.delivery.queue,
+                "prompt_tokens": len(job.prompt_token_ids),
+                "resumed_at_seq": job.next_seq,
+                "deliveries": job.delivery.deliveries,
+            },
+        )
+        if self.metrics is not None:
+            self.metrics.started()
+
+    def stepped(self, view: StepView | None, outputs: list[TokenOut], seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.stepped(view, outputs, seconds, time.monotonic())
+        self.faults.stepped()
+
+    def finished(self, job: Job) -> None:
+        """The job's final event, status and ack are stored."""
+        reason = job.finish_reason or FinishReason.error
+        failed = reason is FinishReason.error
+        t = job.timings
+        log.log(
+            logging.WARNING if failed else logging.INFO,
+            "job %s %s (%s): %d token(s)%s",
+            job.job_id,
+            FINAL_STATE[reason].value,
+            reason.value,
+            len(job.output_token_ids),
+            f": {job.error}" if job.error else "",
+            extra={
+                "event": "job_failed" if failed else "job_finished",
+                "state": FINAL_STATE[reason].value,
+                "finish_reason": reason.value,
+                "error": job.error,
+                "prompt_tokens": len(job.prompt_token_ids),
+                "completion_tokens": len(job.output_token_ids),
+                "queued_s": _span(t.queued, t.started),
+                "ttft_s": _span(t.queued, t.first_token),
+                "duration_s": _span(t.started, t.finished),
+            },
+        )
+        if self.metrics is not None:
+            self.metrics.finished(job)
+
+    def tick(self, worker: WorkerState) -> None:
+        """Once per loop turn: the watchdog ping and status line, the gauges."""
+        self.supervisor.alive(lambda: self._status(worker))
+        if self.metrics is not None:
+            self.metrics.tick(worker.gen.load(), worker.jobs, worker.backoff)
+
+    def stopping(self, jobs: Mapping[str, Job]) -> None:
+        self.supervisor.stopping(f"stopping: {len(jobs)} job(s) finishing")
+
+    def _status(self, worker: WorkerState) -> str:
+        load = worker.gen.load()
+        redis = "redis unreachable, " if worker.backoff.down else ""
+        return (
+            f"{self.model or 'model'} on {','.join(worker.queues)}: {redis}"
+            f"{load.running} running, {load.waiting} waiting, "
+            f"{worker.meter.tokens_per_s():.0f} tokens/s, KV {load.kv_usage:.0%}"
+        )
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(max(0.0, end - start), 4)

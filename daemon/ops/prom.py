@@ -1,0 +1,164 @@
+"""The daemon's Prometheus series, in a registry of its own.
+
+Counters and histograms are updated on the engine thread as things happen
+(a step, a job's end); gauges are set once per loop turn from the engine's
+load and the jobs held. prometheus-client locks each series, so the HTTP
+thread may scrape at any time. Names follow Prometheus conventions:
+``batchd_*_total`` counters, ``_seconds`` in seconds, ratios in 0..1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from daemon.worker.generator import Load, StepView, TokenOut
+from daemon.worker.jobs import Job
+from daemon.worker.redis_io import Backoff
+from producers.schema import FINAL_STATE
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class DaemonMetrics:
+    """Every series the daemon exports; ``registry`` is what the endpoint serves."""
+
+    def __init__(self, *, model: str, consumer: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge(
+            "batchd_info",
+            "This daemon: model and consumer name.",
+            ["model", "consumer"],
+            registry=r,
+        ).labels(model=model, consumer=consumer).set(1)
+        self.jobs = Counter(
+            "batchd_jobs_ended_total",
+            "Jobs ended here, by final state and finish reason.",
+            ["state", "finish_reason"],
+            registry=r,
+        )
+        self.jobs_started = Counter(
+            "batchd_jobs_started_total",
+            "Jobs admitted into the engine (resumed included).",
+            registry=r,
+        )
+        self.output_tokens = Counter("batchd_output_tokens_total", "Tokens generated.", registry=r)
+        self.prefill_tokens = Counter(
+            "batchd_prefill_tokens_total",
+            "Prompt tokens computed (prefix-cache hits excluded).",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "batchd_preemptions_total", "Sequences preempted for lack of KV blocks.", registry=r
+        )
+        self.ttft = Histogram(
+            "batchd_time_to_first_token_seconds",
+            "From enqueue to the first token, observed when the job ends.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "batchd_inter_token_latency_seconds",
+            "Between consecutive tokens of a job on this daemon.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "batchd_step_duration_seconds", "One engine step.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "batchd_step_batch_size",
+            "Sequences packed in one engine step.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "batchd_running_sequences", "Sequences in the running batch.", registry=r
+        )
+        self.waiting = Gauge(
+            "batchd_waiting_sequences", "Sequences waiting for the engine.", registry=r
+        )
+        self.jobs_held = Gauge(
+            "batchd_jobs_held", "Jobs this daemon holds (read, not yet acked).", registry=r
+        )
+        self.kv_used = Gauge("batchd_kv_blocks_used", "KV-cache blocks in use.", registry=r)
+        self.kv_free = Gauge(
+            "batchd_kv_blocks_free", "KV-cache blocks free (cached ones included).", registry=r
+        )
+        self.prefix_hits = Gauge(
+            "batchd_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache, since start.",
+            registry=r,
+        )
+        self.outbox = Gauge(
+            "batchd_outbox_events", "Events generated but not yet stored in Redis.", registry=r
+        )
+        self.redis_up = Gauge(
+            "batchd_redis_up", "1 while Redis answers, 0 during an outage.", registry=r
+        )
+        self.redis_errors = Counter(
+            "batchd_redis_errors_total",
+            "Redis calls that failed (connection, timeout).",
+            registry=r,
+        )
+        self.redis_reconnects = Counter(
+            "batchd_redis_reconnects_total", "Redis outages that ended.", registry=r
+        )
+        self._backoff_seen = (0, 0)
+        # When each running job's last token came, for the inter-token latency.
+        self._last_token: dict[str, float] = {}
+
+    def started(self) -> None:
+        self.jobs_started.inc()
+
+    def stepped(
+        self, view: StepView | None, outputs: list[TokenOut], seconds: float, now: float
+    ) -> None:
+        """One step: its time, batch, tokens and preemptions; each token's gap to the last."""
+        self.step_time.observe(seconds)
+        if view is not None:
+            self.batch_size.observe(len(view.decodes) + len(view.prefills))
+            self.prefill_tokens.inc(sum(n for _, n in view.prefills))
+            self.preemptions.inc(len(view.preempted))
+        for out in outputs:
+            if out.token_id is not None:
+                self.output_tokens.inc()
+                last = self._last_token.get(out.job_id)
+                if last is not None:
+                    self.itl.observe(now - last)
+                self._last_token[out.job_id] = now
+            if out.finish_reason is not None:
+                self._last_token.pop(out.job_id, None)
+
+    def finished(self, job: Job) -> None:
+        reason = job.finish_reason
+        state = FINAL_STATE[reason].value if reason is not None else "unknown"
+        self.jobs.labels(state=state, finish_reason=reason.value if reason else "unknown").inc()
+        timings = job.timings
+        if timings.first_token is not None and timings.queued is not None:
+            self.ttft.observe(max(0.0, timings.first_token - timings.queued))
+        self._last_token.pop(job.job_id, None)
+
+    def tick(self, load: Load, jobs: Mapping[str, Job], backoff: Backoff) -> None:
+        """Gauges from the engine's load, the jobs held and the Redis connection."""
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        self.jobs_held.set(len(jobs))
+        self.kv_used.set(load.kv_blocks_used)
+        self.kv_free.set(load.kv_blocks_total - load.kv_blocks_used)
+        self.prefix_hits.set(load.prefix_cache_hit_rate)
+        self.outbox.set(_outbox(jobs.values()))
+        self.redis_up.set(0 if backoff.down else 1)
+        errors, reconnects = self._backoff_seen
+        self.redis_errors.inc(backoff.errors_total - errors)
+        self.redis_reconnects.inc(backoff.reconnects_total - reconnects)
+        self._backoff_seen = (backoff.errors_total, backoff.reconnects_total)
+        if len(self._last_token) > len(jobs):  # jobs dropped without an end (lost to another)
+            self._last_token = {k: v for k, v in self._last_token.items() if k in jobs}
+
+
+def _outbox(jobs: Iterable[Job]) -> int:
+    return sum(len(job.unpublished) for job in jobs)
