@@ -29,6 +29,8 @@ WALLS: dict[str, tuple[str, ...]] = {
     ),
     "daemon/worker": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli"),
     "daemon/fleet": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli", "mlx"),
+    # ops turns the loop's hooks into sd_notify, metrics and logs: it never touches MLX
+    "daemon/ops": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli", "mlx"),
     "daemon/demo": ("daemon.commands", "daemon.bench", "daemon.cli"),
     "daemon/bench": ("daemon.commands", "daemon.demo", "daemon.cli"),
 }
