@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from daemon.worker.generator import Load, StepView, TokenOut
 from daemon.worker.jobs import Job
 from daemon.worker.redis_io import Backoff
-from producers.schema import FINAL_STATE
+from producers.schema import FINAL_STATE, FinishReason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -134,9 +134,8 @@ class DaemonMetrics:
                 self._last_token.pop(out.job_id, None)
 
     def finished(self, job: Job) -> None:
-        reason = job.finish_reason
-        state = FINAL_STATE[reason].value if reason is not None else "unknown"
-        self.jobs.labels(state=state, finish_reason=reason.value if reason else "unknown").inc()
+        reason = job.finish_reason or FinishReason.error  # a finished job always has one
+        self.jobs.labels(state=FINAL_STATE[reason].value, finish_reason=reason.value).inc()
         timings = job.timings
         if timings.first_token is not None and timings.queued is not None:
             self.ttft.observe(max(0.0, timings.first_token - timings.queued))
