@@ -14,7 +14,7 @@ import pytest
 from daemon.ops.faults import EngineFailure, EngineFaults
 from daemon.ops.notify import Notifier, watchdog_period_s
 from daemon.ops.supervisor import Supervisor
-from producers.telemetry import configure_logging, redact
+from producers.telemetry import TEXT_FORMAT, JsonFormatter, RedactingFormatter, redact
 
 
 class Clock:
@@ -77,25 +77,38 @@ def test_engine_faults() -> None:
     EngineFaults(None).stepped()
 
 
+def logger_to(stream: io.StringIO, formatter: logging.Formatter) -> logging.Logger:
+    """A logger of its own (the root logger, pytest's, stays as it is)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    log = logging.getLogger(f"test.ops.{id(stream)}")
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    return log
+
+
 def test_json_lines_carry_fields_and_the_job_id() -> None:
     stream = io.StringIO()
-    configure_logging("INFO", "json", stream=stream)
+    log = logger_to(stream, JsonFormatter())
+    log.info("job %s rejected: %s", "j1", "bad")
+    log.info("finished", extra={"event": "job_finished", "job_id": "j2", "usage": {"n": 1}})
+    log.debug("hidden")
     try:
-        log = logging.getLogger("test.ops")
-        log.info("job %s rejected: %s", "j1", "bad")
-        log.info("finished", extra={"event": "job_finished", "job_id": "j2", "usage": {"n": 1}})
-        log.debug("hidden")
-        try:
-            raise RuntimeError("boom")
-        except RuntimeError:
-            log.exception("connecting to redis://u:pw@h:1/0 failed")
-    finally:
-        configure_logging("WARNING", "text")
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("connecting to redis://u:pw@h:1/0 failed")
     lines = [orjson.loads(line) for line in stream.getvalue().splitlines()]
     assert lines[0]["job_id"] == "j1" and lines[0]["msg"] == "job j1 rejected: bad"
     assert lines[1]["event"] == "job_finished" and lines[1]["usage"] == {"n": 1}
     assert lines[1]["job_id"] == "j2" and len(lines) == 3
     assert "pw" not in lines[2]["msg"] and "boom" in lines[2]["exc"]
+
+
+def test_text_lines_mask_passwords_too() -> None:
+    stream = io.StringIO()
+    logger_to(stream, RedactingFormatter(TEXT_FORMAT)).warning("redis://u:hunter2@h:1 is down")
+    assert "hunter2" not in stream.getvalue() and "redis://u:***@h:1" in stream.getvalue()
 
 
 def test_passwords_in_urls_are_masked() -> None:

@@ -107,8 +107,11 @@ def test_watchdog_pings_while_idle_and_busy_and_stop_when_the_engine_hangs(
         hung = time.monotonic()
         assert listener.times("WATCHDOG=1", after=busy), "no watchdog ping while busy"
 
-        time.sleep(10 * WATCHDOG_USEC / 1e6)  # five ping periods
-        assert not listener.times("WATCHDOG=1", after=hung), "pings went on from a hung engine"
+        # A ping sent just before the hang may still be on its way: allow 0.3 s for it.
+        time.sleep(0.3)
+        time.sleep(10 * WATCHDOG_USEC / 1e6)  # ten ping periods
+        late = listener.times("WATCHDOG=1", after=hung + 0.3)
+        assert not late, "pings went on from a hung engine"
         assert daemon.proc.poll() is None  # hung, not gone: only the watchdog can tell
         # What systemd does at WatchdogSec= (WatchdogSignal=SIGABRT): the exit is a failure.
         daemon.signal(signal.SIGABRT)
