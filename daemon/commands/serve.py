@@ -8,10 +8,13 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config import Settings
 from config.settings import default_consumer_name
+
+if TYPE_CHECKING:  # imported when serving: prometheus-client and MLX only then
+    from daemon.ops.prom import DaemonMetrics
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _serve_metrics(settings: Settings, metrics: Any) -> bool:
+def _serve_metrics(settings: Settings, metrics: DaemonMetrics) -> bool:
     """Start the metrics endpoint; False (said on stderr) when its address is unusable."""
     from producers.telemetry import serve_metrics
 
