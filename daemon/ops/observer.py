@@ -9,7 +9,6 @@ a job starts and one when it ends, never one per token.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -84,9 +83,16 @@ class Ops:
         if self.metrics is not None:
             self.metrics.started()
 
-    def stepped(self, view: StepView | None, outputs: list[TokenOut], seconds: float) -> None:
+    def stepped(
+        self,
+        view: StepView | None,
+        outputs: list[TokenOut],
+        seconds: float,
+        jobs: Mapping[str, Job],
+    ) -> None:
+        """A step returned; ``jobs`` have not taken its tokens yet."""
         if self.metrics is not None:
-            self.metrics.stepped(view, outputs, seconds, time.monotonic())
+            self.metrics.stepped(view, outputs, seconds, jobs)
         self.faults.stepped()
 
     def finished(self, job: Job) -> None:

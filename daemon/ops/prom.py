@@ -9,6 +9,7 @@ thread may scrape at any time. Names follow Prometheus conventions:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,7 +57,7 @@ class DaemonMetrics:
         )
         self.ttft = Histogram(
             "batchd_time_to_first_token_seconds",
-            "From enqueue to the first token, observed when the job ends.",
+            "From enqueue to the job's first token (resumed jobs are not counted again).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -115,9 +116,16 @@ class DaemonMetrics:
         self.jobs_started.inc()
 
     def stepped(
-        self, view: StepView | None, outputs: list[TokenOut], seconds: float, now: float
+        self,
+        view: StepView | None,
+        outputs: list[TokenOut],
+        seconds: float,
+        jobs: Mapping[str, Job],
     ) -> None:
-        """One step: its time, batch, tokens and preemptions; each token's gap to the last."""
+        """One step: its time, batch, tokens and preemptions; each token's gap to the last,
+        or the time to it from enqueue if it is a job's first (``jobs`` have not taken this
+        step's tokens yet)."""
+        now = time.monotonic()
         self.step_time.observe(seconds)
         if view is not None:
             self.batch_size.observe(len(view.decodes) + len(view.prefills))
@@ -129,6 +137,7 @@ class DaemonMetrics:
                 last = self._last_token.get(out.job_id)
                 if last is not None:
                     self.itl.observe(now - last)
+                self._first_token(jobs.get(out.job_id))
                 self._last_token[out.job_id] = now
             if out.finish_reason is not None:
                 self._last_token.pop(out.job_id, None)
@@ -136,9 +145,6 @@ class DaemonMetrics:
     def finished(self, job: Job) -> None:
         reason = job.finish_reason or FinishReason.error  # a finished job always has one
         self.jobs.labels(state=FINAL_STATE[reason].value, finish_reason=reason.value).inc()
-        timings = job.timings
-        if timings.first_token is not None and timings.queued is not None:
-            self.ttft.observe(max(0.0, timings.first_token - timings.queued))
         self._last_token.pop(job.job_id, None)
 
     def tick(self, load: Load, jobs: Mapping[str, Job], backoff: Backoff) -> None:
@@ -157,6 +163,10 @@ class DaemonMetrics:
         self._backoff_seen = (backoff.errors_total, backoff.reconnects_total)
         if len(self._last_token) > len(jobs):  # jobs dropped without an end (lost to another)
             self._last_token = {k: v for k, v in self._last_token.items() if k in jobs}
+
+    def _first_token(self, job: Job | None) -> None:
+        if job is not None and not job.output_token_ids and job.timings.queued is not None:
+            self.ttft.observe(max(0.0, time.time() - job.timings.queued))
 
 
 def _outbox(jobs: Iterable[Job]) -> int:

@@ -193,7 +193,7 @@ class Worker:
         outputs = self.gen.step()
         view = self.gen.last_step()
         self.meter.step(view, len(outputs))
-        self.ops.stepped(view, outputs, time.monotonic() - began)
+        self.ops.stepped(view, outputs, time.monotonic() - began, self.jobs)
         crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
         for out in outputs:
             job = self.jobs[out.job_id]
