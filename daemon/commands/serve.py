@@ -108,10 +108,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(signum, lambda *_: worker.request_stop())
     try:
         worker.run()
-    except Exception:
+    except Exception as exc:
         # Exit non-zero so that the supervisor restarts us (Restart=on-failure, KeepAlive):
         # the jobs held stay pending and are taken back from their events streams.
-        log.exception("daemon failed", extra={"event": "daemon_failed"})
+        log.exception("daemon failed: %s", exc, extra={"event": "daemon_failed"})
+        ops.failed(exc)
         return 1
     log.info("stopped", extra={"event": "stopped"})
     return 0

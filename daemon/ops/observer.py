@@ -132,6 +132,10 @@ class Ops:
     def stopping(self, jobs: Mapping[str, Job]) -> None:
         self.supervisor.stopping(f"stopping: {len(jobs)} job(s) finishing")
 
+    def failed(self, exc: BaseException) -> None:
+        """The loop died of ``exc``; the process exits non-zero next."""
+        self.supervisor.failed(f"{type(exc).__name__}: {exc}")
+
     def _status(self, worker: WorkerState) -> str:
         load = worker.gen.load()
         redis = "redis unreachable, " if worker.backoff.down else ""

@@ -59,3 +59,7 @@ class Supervisor:
 
     def stopping(self, status: str) -> None:
         self.notifier.send("STOPPING=1", f"STATUS={status}")
+
+    def failed(self, reason: str) -> None:
+        """The daemon is about to exit non-zero: ``systemctl status`` shows why."""
+        self.notifier.send("STOPPING=1", f"STATUS=failed: {reason}")

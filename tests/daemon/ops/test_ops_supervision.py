@@ -130,7 +130,10 @@ def test_an_engine_that_dies_exits_non_zero(
         listener.first("READY=1", timeout=60)
         enqueue(client, KEYS, {"id": "x", "prompt_token_ids": [5, 6, 7], "max_tokens": 20})
         assert daemon.wait(60) == 1, daemon.log_tail()
-        assert "daemon failed" in daemon.log_tail()
+        assert "daemon failed: test fault after step 3" in daemon.log_tail()
+        wait_until(
+            lambda: "STATUS=failed: EngineFailure: test fault after step 3" in listener.statuses()
+        )
     finally:
         daemon.kill()
         client.close()
