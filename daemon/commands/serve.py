@@ -81,7 +81,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     )
     from daemon.ops.observer import Ops
     from daemon.ops.prom import DaemonMetrics
+    from daemon.fleet.heartbeat import ConsumerTaken
     from daemon.worker.loop import Worker
+    from daemon.worker.redis_io import ClusterUnsupported
     from daemon.worker.mlx_generator import MLXGenerator
 
     metrics = None
@@ -108,6 +110,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(signum, lambda *_: worker.request_stop())
     try:
         worker.run()
+    except (ClusterUnsupported, ConsumerTaken) as exc:
+        print(f"batchd serve: {exc}", file=sys.stderr)
+        ops.failed(exc)
+        return 2
     except Exception as exc:
         # Exit non-zero so that the supervisor restarts us (Restart=on-failure, KeepAlive):
         # the jobs held stay pending and are taken back from their events streams.

@@ -4,12 +4,20 @@ It runs on its own thread and its own Redis connection, so neither a blocking
 XREADGROUP nor a long engine step can starve it (no MLX here: the engine
 thread publishes a snapshot dict, this thread only reads it). Other daemons
 claim this one's jobs only once the key has expired.
+
+The key is owned: its body names this process's ``instance`` (host, pid, a
+random tag), and it is set, refreshed or deleted only by a script that checks
+that owner atomically. A second daemon started under the same consumer name
+cannot take the key while the first refreshes it, so it refuses to start
+instead of running the first one's jobs a second time; and the first one's
+graceful stop never deletes another process's key.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -18,13 +26,42 @@ from typing import Any
 import orjson
 import redis
 
-from daemon.worker.redis_io import REDIS_DOWN
-
 log = logging.getLogger(__name__)
+
+# KEYS[1] heartbeat key; ARGV[1] this instance, ARGV[2] body, ARGV[3] ttl ms.
+# Sets the key when it is absent or ours; returns the holder's body otherwise.
+_SET = """
+local held = redis.call('GET', KEYS[1])
+if held and cjson.decode(held)['instance'] ~= ARGV[1] then return held end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return false
+"""
+
+# KEYS[1] heartbeat key; ARGV[1] this instance. Deletes the key only when it is ours.
+_DELETE = """
+local held = redis.call('GET', KEYS[1])
+if held and cjson.decode(held)['instance'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class ConsumerTaken(RuntimeError):
+    """Another live process holds this consumer name's heartbeat."""
+
+    def __init__(self, key: str, holder: dict[str, Any]) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(
+            f"consumer {holder.get('consumer')!r} is already served by "
+            f"{holder.get('host')} pid {holder.get('pid')} (heartbeat {key} is live); "
+            "give this daemon another --consumer-name"
+        )
 
 
 class Heartbeat:
-    """``SET <prefix>:daemon:<consumer> <JSON> PX <ttl>`` every interval until stopped."""
+    """``<prefix>:daemon:<consumer>`` set to a JSON body with a TTL, every interval."""
 
     def __init__(
         self,
@@ -38,49 +75,76 @@ class Heartbeat:
         self.redis = client
         self.key = key
         self.interval_s = interval_s
+        self.ttl_s = ttl_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
+        host, pid = socket.gethostname(), os.getpid()
+        self.instance = f"{host}:{pid}:{secrets.token_hex(4)}"
         self.static = {
             **info,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "instance": self.instance,
+            "pid": pid,
+            "host": host,
             "started_at": time.time(),
         }
         self.snapshot: dict[str, Any] = {}
+        self._set = client.register_script(_SET)
+        self._delete = client.register_script(_DELETE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batchd-heartbeat", daemon=True)
-        self._failing = False
+        self._failing: str | None = None
 
     def update(self, **figures: Any) -> None:
         """Replace the live figures (called from the engine thread; a dict swap is atomic)."""
         self.snapshot = figures
 
     def beat(self) -> None:
-        """Set the key once now (raises on Redis errors)."""
+        """Set the key once now; raises ConsumerTaken when another process holds it,
+        and Redis errors as they come."""
         body = {**self.static, **self.snapshot, "at": time.time()}
-        self.redis.set(self.key, orjson.dumps(body), px=self.ttl_ms)
+        held = self._set(keys=[self.key], args=[self.instance, orjson.dumps(body), self.ttl_ms])
+        if held:
+            raise ConsumerTaken(self.key, orjson.loads(held))
+
+    def acquire(self) -> None:
+        """Take the key at start. A key left by a crashed process with the same name
+        expires within a TTL, so a holder is waited for that long (plus an interval)
+        before ConsumerTaken says it is alive."""
+        deadline = time.monotonic() + self.ttl_s + self.interval_s
+        while True:
+            try:
+                self.beat()
+                return
+            except ConsumerTaken:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(self.interval_s, 0.5))
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, *, remove: bool) -> None:
-        """Stop beating; ``remove`` deletes the key so other daemons may claim at once."""
+        """Stop beating; ``remove`` deletes the key (if still ours) so other daemons
+        may claim at once."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         if remove:
             try:
-                self.redis.delete(self.key)
-            except REDIS_DOWN as exc:
+                self._delete(keys=[self.key], args=[self.instance])
+            except redis.RedisError as exc:
                 log.warning("could not delete heartbeat %s: %s", self.key, exc)
 
     def _run(self) -> None:
+        # Every error is survived: a daemon whose heartbeat thread died would see its
+        # live jobs claimed by others.
         while not self._stop.is_set():
             try:
                 self.beat()
                 if self._failing:
                     log.info("heartbeat %s restored", self.key)
-                self._failing = False
-            except REDIS_DOWN as exc:
-                if not self._failing:
-                    log.warning("heartbeat %s failed: %s", self.key, exc)
-                self._failing = True
+                self._failing = None
+            except (redis.RedisError, ConsumerTaken) as exc:
+                if str(exc) != self._failing:
+                    log.error("heartbeat %s failed: %s", self.key, exc)
+                self._failing = str(exc)
             self._stop.wait(self.interval_s)

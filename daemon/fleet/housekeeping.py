@@ -1,7 +1,7 @@
 """Keeping a queue stream small: trim the entries every consumer is done with.
 
-Trimming uses MINID at the oldest entry the group still needs (the oldest
-pending one, else the first not yet delivered), never MAXLEN, which could
+Trimming uses MINID at the oldest entry any group still needs (its oldest
+pending one, else the first it has not been delivered), never MAXLEN, which could
 drop an unacked job. Forgetting dead consumers is recovery's part
 (:meth:`daemon.fleet.recovery.Recovery.forget_dead`): it shares the rule that says
 who is dead.
@@ -13,26 +13,37 @@ from typing import Any
 
 import redis
 
-from producers.keys import CONSUMER_GROUP
 
 
 def trim_acked(client: redis.Redis, stream: str) -> int:
-    """Delete entries of ``stream`` every consumer is done with; returns how many went.
+    """Delete entries of ``stream`` every consumer group is done with; returns how many.
 
-    Safe without a transaction: entries below the computed bound were
-    delivered and acked, and the pending set only ever gains entries above
-    the group's last-delivered id (or ones already pending).
+    Every group counts, not only batchd's: another reader of the queue (an audit
+    consumer, say) keeps what it has not read or acked. Safe without a
+    transaction: entries below the computed bound were delivered and acked in
+    every group, and a pending set only ever gains entries above its group's
+    last-delivered id (or ones already pending).
     """
     groups: Any = client.xinfo_groups(stream)
-    group = next((g for g in groups if g["name"] == CONSUMER_GROUP.encode()), None)
-    if group is None:
+    if not groups:
         return 0
-    pending: Any = client.xpending(stream, CONSUMER_GROUP)
-    bound = pending["min"] if pending["pending"] else _next_id(group["last-delivered-id"])
-    trimmed: int = client.xtrim(stream, minid=bound, approximate=False)
+    bounds = []
+    for group in groups:
+        pending: Any = client.xpending(stream, group["name"])
+        bounds.append(
+            _parse(pending["min"]) if pending["pending"] else _next(group["last-delivered-id"])
+        )
+    ms, seq = min(bounds)
+    trimmed: int = client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
     return trimmed
 
 
-def _next_id(entry_id: bytes) -> str:
-    ms, seq = entry_id.decode().split("-")
-    return f"{ms}-{int(seq) + 1}"
+def _parse(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, seq = text.split("-")
+    return int(ms), int(seq)
+
+
+def _next(entry_id: bytes) -> tuple[int, int]:
+    ms, seq = _parse(entry_id)
+    return ms, seq + 1

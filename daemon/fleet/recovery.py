@@ -34,11 +34,13 @@ local function dead(name) return redis.call('EXISTS', ARGV[1] .. name) == 0 end
 """
 
 # KEYS[1] queue stream; ARGV[5] most to claim, ARGV[6] how many pending entries to scan.
-# Returns {entry id, delivery count, previous owner, {field, value, ...}} per claimed entry.
+# Returns {claimed, deleted}: {entry id, delivery count, previous owner, {field, value, ...}}
+# per claimed entry, and the ids of pending entries whose stream entry was gone (acked).
 _CLAIM = (
     _DEAD
     + """
 local out = {}
+local deleted = {}
 local want = tonumber(ARGV[5])
 local pending = redis.call('XPENDING', KEYS[1], ARGV[2], 'IDLE', ARGV[4], '-', '+', ARGV[6])
 for _, entry in ipairs(pending) do
@@ -46,12 +48,18 @@ for _, entry in ipairs(pending) do
   local owner = entry[2]
   if owner ~= ARGV[3] and dead(owner) then
     local claimed = redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[4], entry[1])
-    if #claimed > 0 then
+    if type(claimed[1]) == 'table' then
       table.insert(out, {entry[1], entry[4] + 1, owner, claimed[1][2]})
+    else
+      -- The stream entry was deleted while pending: Redis 6.2 returns nil for it and
+      -- keeps it pending (7.x drops it from the PEL and returns nothing). Ack it so
+      -- it does not hold back trimming, and report it.
+      redis.call('XACK', KEYS[1], ARGV[2], entry[1])
+      table.insert(deleted, entry[1])
     end
   end
 end
-return out
+return {out, deleted}
 """
 )
 
@@ -122,7 +130,13 @@ class Recovery:
         """Up to ``limit`` entries of dead consumers on ``queue``, now owned by this one."""
         if limit <= 0:
             return []
-        rows = self._claim(keys=[self.keys.queue(queue)], args=self._args(limit, SCAN))
+        rows, deleted = self._claim(keys=[self.keys.queue(queue)], args=self._args(limit, SCAN))
+        for entry_id in deleted:
+            log.error(
+                "pending entry %s on queue %s was deleted from the stream; acked, job lost",
+                entry_id.decode(),
+                queue,
+            )
         out = []
         for entry_id, deliveries, owner, flat in rows:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))

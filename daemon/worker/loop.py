@@ -36,7 +36,7 @@ from daemon.worker.jobs import Delivery, Job
 from daemon.worker.metrics import Meter
 from daemon.worker.pickup import Pickup, PickupPolicy
 from daemon.worker.publisher import Piggyback, Publisher
-from daemon.worker.redis_io import REDIS_DOWN, Backoff, connect
+from daemon.worker.redis_io import REDIS_DOWN, Backoff, connect, refuse_cluster
 from producers.keys import CONSUMER_GROUP, Keys
 from producers.schema import FinishReason
 
@@ -333,19 +333,21 @@ class Worker:
         }
 
     def _join(self) -> bool:
-        """Create groups, start the heartbeat, take back own pending jobs; retry while
-        Redis is away. False if asked to stop first."""
-        self.heartbeat.start()
+        """Check the server, take the heartbeat, create groups, take back own pending
+        jobs; retry while Redis is away. False if asked to stop first. Raises
+        ClusterUnsupported or ConsumerTaken when this daemon must not start."""
         while not self.stopping:
             try:
+                refuse_cluster(self.redis)
+                self.heartbeat.acquire()
                 for queue in self.queues:
                     self._create_group(queue)
                 self.cancels.start_at_end(self.redis)
-                self.heartbeat.beat()
                 for queue in self.queues:
                     self._admit(self.recovery.own_pending(queue))
                 self.backoff.succeeded()
                 self.backoff.up_since -= self.settings.daemon.heartbeat_ttl_s
+                self.heartbeat.start()
                 return True
             except REDIS_DOWN as exc:
                 self.backoff.failed(exc, doing="starting")

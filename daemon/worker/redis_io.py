@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -16,6 +17,23 @@ log = logging.getLogger(__name__)
 
 # Errors that mean "Redis is not reachable now": keep the work, retry later.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+class ClusterUnsupported(RuntimeError):
+    """The server runs in cluster mode, which batchd does not support yet."""
+
+
+def refuse_cluster(client: redis.Redis) -> None:
+    """Raise ClusterUnsupported for a cluster-mode server: a job's keys and its queue
+    hash to different slots, so the scripts would fail with CROSSSLOT mid-run."""
+    info: Any = client.info("cluster")
+    if info.get("cluster_enabled"):
+        raise ClusterUnsupported(
+            f"{client.get_connection_kwargs().get('host')}:"
+            f"{client.get_connection_kwargs().get('port')} is a Redis Cluster node; batchd "
+            "needs a standalone Redis (or a primary with replicas): its scripts touch a "
+            "job's keys and the queue stream together, which Cluster refuses (CROSSSLOT)"
+        )
 
 
 def connect(settings: Settings) -> redis.Redis:
