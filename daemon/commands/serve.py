@@ -83,8 +83,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from daemon.ops.prom import DaemonMetrics
     from daemon.fleet.heartbeat import ConsumerTaken
     from daemon.worker.loop import Worker
-    from daemon.worker.redis_io import ClusterUnsupported
     from daemon.worker.mlx_generator import MLXGenerator
+    from daemon.worker.redis_io import ClusterUnsupported
 
     metrics = None
     if settings.daemon.metrics_port is not None:

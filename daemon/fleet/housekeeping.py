@@ -14,7 +14,6 @@ from typing import Any
 import redis
 
 
-
 def trim_acked(client: redis.Redis, stream: str) -> int:
     """Delete entries of ``stream`` every consumer group is done with; returns how many.
 

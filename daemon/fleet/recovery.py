@@ -126,6 +126,28 @@ class Recovery:
             log.info("recovered %d own pending job(s) on queue %s", len(out), queue)
         return out
 
+    def strays(self, queue: str, *, held: set[str]) -> list[Delivery]:
+        """Entries pending for this consumer that it does not hold: a lost XREADGROUP
+        reply, or a pickup cut short. Taken back (XCLAIM to itself) to be picked up."""
+        stream = self.keys.queue(queue)
+        pending: Any = self.redis.xpending_range(
+            stream, CONSUMER_GROUP, "-", "+", SCAN, consumername=self.consumer
+        )
+        out = []
+        for row in pending:
+            entry_id = row["message_id"]
+            if entry_id.decode() in held:
+                continue
+            claimed: Any = self.redis.xclaim(stream, CONSUMER_GROUP, self.consumer, 0, [entry_id])
+            if not claimed or claimed[0] is None or claimed[0][1] is None:
+                self.redis.xack(stream, CONSUMER_GROUP, entry_id)
+                log.error("own pending entry %s was deleted from the stream; acked", entry_id)
+                continue
+            log.warning("entry %s on queue %s was pending here unseen; picked up", entry_id, queue)
+            deliveries = int(row["times_delivered"]) + 1
+            out.append(Delivery(queue, entry_id.decode(), claimed[0][1], deliveries=deliveries))
+        return out
+
     def claim(self, queue: str, *, limit: int) -> list[Delivery]:
         """Up to ``limit`` entries of dead consumers on ``queue``, now owned by this one."""
         if limit <= 0:

@@ -7,10 +7,13 @@ durability tests use it to crash at precise moments. Points:
 - ``prefill``: a step that computed a prompt chunk returned; nothing published
 - ``decode``: a decode-only step returned; its tokens are not published yet
 - ``between_steps``: a step's events are stored; the next step has not run
-- ``after_final_event``: a final event is stored; its status and ack are not
-- ``after_status``: the final status is stored; the XACK is not
+- ``after_final_event``: a flush confirmed a final event and its final status; no
+  XACK was sent
+- ``after_status``: the flush carrying a finished job's XACK is about to be sent
 
-Unset (always, outside tests), every check is one dict lookup.
+Both finish points sit on the path production takes: the final event and status
+go in one flush, the XACK only in a later one (daemon.worker.publisher). Unset
+(always, outside tests), every check is one dict lookup.
 """
 
 from __future__ import annotations
@@ -32,10 +35,6 @@ def _parse(spec: str | None) -> dict[str, int]:
 
 
 _armed = _parse(os.environ.get(ENV_VAR))
-
-
-def armed(point: str) -> bool:
-    return point in _armed
 
 
 def reached(point: str) -> None:

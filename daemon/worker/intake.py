@@ -57,6 +57,10 @@ class Intake:
         taken, self._read = self._read, []
         return taken
 
+    def pending(self) -> list[Delivery]:
+        """Deliveries read and not yet taken (they are pending for this consumer)."""
+        return list(self._read)
+
     def put_back(self, deliveries: list[Delivery]) -> None:
         """Deliveries whose pickup failed: picked up again before anything newer."""
         self._read[:0] = deliveries

@@ -61,6 +61,10 @@ class Job:
     error: str | None = None
     dead_letter: bool = False
     in_engine: bool = False
+    # The fence (daemon.worker.fence): this pickup's epoch, and how many events the
+    # events stream holds as far as this daemon knows.
+    epoch: int = 1
+    stored_events: int = 0
 
     @property
     def next_seq(self) -> int:
@@ -70,6 +74,11 @@ class Job:
     def ended(self) -> bool:
         """The final event exists (in the outbox or already stored)."""
         return self.finish_reason is not None
+
+    @property
+    def stored_final(self) -> bool:
+        """The final event and final status are stored: only the ack is left."""
+        return self.ended and not self.unpublished and not self.status
 
     def set_status(self, **fields: Any) -> None:
         """Queue status-hash fields for the next pipeline (values stored as strings)."""
@@ -129,11 +138,27 @@ class Job:
                 metadata=self.request.metadata if self.request is not None else None,
             )
         )
+        self.set_final_status(
+            reason,
+            finished_at=self.timings.finished,
+            completion_tokens=len(self.output_token_ids),
+            error=error,
+        )
+
+    def set_final_status(
+        self,
+        reason: FinishReason,
+        *,
+        finished_at: float | None,
+        completion_tokens: int | None,
+        error: str | None,
+    ) -> None:
+        """Queue the terminal status fields (the one place they are written)."""
         self.set_status(
             state=FINAL_STATE[reason],
             finish_reason=reason,
-            finished_at=self.timings.finished,
-            completion_tokens=len(self.output_token_ids),
+            finished_at=finished_at,
+            completion_tokens=completion_tokens,
             error=error,
         )
 
@@ -154,3 +179,4 @@ class Job:
                 )
             self.output_token_ids.append(event.token_id)
             self.text += event.text
+        self.stored_events = len(events)

@@ -67,7 +67,9 @@ class Worker:
         self.redis = connect(settings)
         opts = settings.daemon
         self.jobs: dict[str, Job] = {}
-        self.publisher = Publisher(self.redis, self.keys, result_ttl_s=settings.result_ttl_s)
+        self.publisher = Publisher(
+            self.redis, self.keys, owner=consumer, result_ttl_s=settings.result_ttl_s
+        )
         self.pickup = PickupPolicy(
             self.redis,
             self.keys,
@@ -93,6 +95,8 @@ class Worker:
         self.stopping = False
         self.deadline = float("inf")
         self.next_claim = 0.0
+        # Entries whose XACK Redis refused or never answered: acked again until done.
+        self.unacked: list[Delivery] = []
         # The last claim failure logged: a failure that repeats every interval is logged once.
         self.claim_error: str | None = None
 
@@ -165,7 +169,9 @@ class Worker:
             self.backoff.failed(exc, doing="reading jobs")
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
-                raise
+                # READONLY, OOM, NOPERM...: read nothing new until Redis serves again.
+                self.backoff.failed(exc, doing="reading jobs")
+                return
             # The group is gone: Redis restarted without persistence, or someone deleted it.
             log.error("consumer group missing (%s); creating it again", exc)
             for queue in self.queues:
@@ -177,8 +183,7 @@ class Worker:
             job = self.jobs.get(job_id)
             if job is None or not job.in_engine:
                 continue
-            self.gen.abort(job_id)
-            job.in_engine = False
+            self._out_of_engine(job)
             job.end(FinishReason.cancelled)
             log.info("job %s cancelled after %d token(s)", job_id, job.next_seq)
 
@@ -215,24 +220,39 @@ class Worker:
         extras: list[Piggyback] = [self.cancels]
         busy = bool(self.jobs) or self.gen.has_work()
         room = self._room(ending_now=True)
-        if busy and room > 0 and not self.stopping:
+        if busy and room > 0 and not self.stopping and not self.backoff.down:
             self.intake_reader.count = room
             extras.append(self.intake_reader)
         try:
             result = self.publisher.flush(self.jobs.values(), extras=extras)
-            self.backoff.succeeded()
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="publishing")
             return
+        if result.refused is None:
+            self.backoff.succeeded()
         for job in result.finished:
             del self.jobs[job.job_id]
             self.meter.finished(job)
             self.ops.finished(job)
         for job in result.lost:
             log.error("job %s: another daemon owns it now; dropped here", job.job_id)
-            if job.in_engine:
-                self.gen.abort(job.job_id)
+            self._out_of_engine(job)
             del self.jobs[job.job_id]
+        for job in result.reconcile:
+            # Redis lost writes (restart from an older snapshot, failover to a lagging
+            # replica) or another daemon wrote: start over from what the stream holds.
+            log.warning(
+                "job %s: its events stream does not end at seq %d; picked up again from "
+                "what Redis holds",
+                job.job_id,
+                job.stored_events,
+            )
+            self._out_of_engine(job)
+            del self.jobs[job.job_id]
+            self.intake_reader.put_back([job.delivery])
+        if result.refused is not None:
+            # Keep everything, stop intake and back off until Redis takes writes again.
+            self.backoff.failed(redis.ResponseError(result.refused), doing="publishing")
         if result.published_events:
             crashpoint.reached("between_steps")
 
@@ -248,7 +268,9 @@ class Worker:
             return
         self.next_claim = now + opts.claim_interval_s
         try:
+            self._retry_acks()
             for queue in self.queues:
+                self._admit(self.recovery.strays(queue, held=self._held_entries()))
                 self._admit(self.recovery.claim(queue, limit=self._room()))
                 trim_acked(self.redis, self.keys.queue(queue))
                 self.recovery.forget_dead(queue)
@@ -264,10 +286,11 @@ class Worker:
     # -- helpers ----------------------------------------------------------------------------
 
     def _room(self, *, ending_now: bool = False) -> int:
-        """Jobs the daemon may still read; ``ending_now`` leaves out jobs whose final
-        event and ack the coming publish carries (acked before its intake read)."""
+        """Jobs the daemon may still read; ``ending_now`` leaves out jobs whose ack the
+        coming publish carries (acked before its intake read)."""
         opts = self.settings
-        held = sum(not job.ended for job in self.jobs.values()) if ending_now else len(self.jobs)
+        jobs = self.jobs.values()
+        held = sum(not job.stored_final for job in jobs) if ending_now else len(self.jobs)
         return opts.engine.max_num_seqs + opts.daemon.intake_buffer - held
 
     def _admit(self, deliveries: list[Delivery]) -> None:
@@ -312,12 +335,39 @@ class Worker:
                 log.info("job %s resumed at seq %d", job.job_id, job.next_seq)
 
     def _ack(self, pickup: Pickup) -> None:
-        if not pickup.acks:
+        self.unacked += pickup.acks
+        self._retry_acks()
+
+    def _retry_acks(self) -> None:
+        """XACK every entry not yet acked; those Redis refuses stay for the next try."""
+        if not self.unacked:
             return
+        todo, self.unacked = self.unacked, []
         pipe = self.redis.pipeline(transaction=False)
-        for delivery in pickup.acks:
+        for delivery in todo:
             pipe.xack(self.keys.queue(delivery.queue), CONSUMER_GROUP, delivery.entry_id)
-        pipe.execute()
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except REDIS_DOWN:
+            self.unacked = todo + self.unacked
+            raise
+        for delivery, reply in zip(todo, replies, strict=True):
+            if isinstance(reply, redis.ResponseError):
+                log.warning("ack of entry %s refused: %s", delivery.entry_id, reply)
+                self.unacked.append(delivery)
+
+    def _held_entries(self) -> set[str]:
+        """Entry ids this daemon accounts for: its jobs, reads not yet picked up, acks due."""
+        held = {job.delivery.entry_id for job in self.jobs.values()}
+        held.update(d.entry_id for d in self.intake_reader.pending())
+        held.update(d.entry_id for d in self.unacked)
+        return held
+
+    def _out_of_engine(self, job: Job) -> None:
+        """Abort the job in the engine if it is there (cancelled, lost, handed back)."""
+        if job.in_engine:
+            self.gen.abort(job.job_id)
+            job.in_engine = False
 
     def _figures(self) -> dict[str, Any]:
         load = self.gen.load()
@@ -365,11 +415,14 @@ class Worker:
         """Hand back unfinished jobs (pending, checkpointed), store what is generated."""
         unfinished = [job for job in self.jobs.values() if job.in_engine]
         for job in unfinished:
-            self.gen.abort(job.job_id)
-            job.in_engine = False
+            self._out_of_engine(job)
         try:
-            if self.jobs:
-                self.publisher.flush(self.jobs.values())
+            # Two flushes: the final events, then (once confirmed) the acks.
+            for _ in range(2):
+                if self.jobs:
+                    for job in self.publisher.flush(self.jobs.values()).finished:
+                        del self.jobs[job.job_id]
+            self._retry_acks()
             self._hand_back(unfinished)
         except REDIS_DOWN as exc:
             log.warning("could not store the last events (%s); they will be regenerated", exc)

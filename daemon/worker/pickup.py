@@ -26,7 +26,6 @@ from daemon.worker.jobs import Delivery, Job
 from producers.errors import ValidationError
 from producers.keys import EVENT_FIELD, JOB_FIELD, Keys
 from producers.schema import (
-    FINAL_STATE,
     JOB_ID_PATTERN,
     Event,
     FinishReason,
@@ -75,43 +74,42 @@ class PickupPolicy:
 
     def pick_up(self, deliveries: list[Delivery]) -> Pickup:
         out = Pickup()
-        valid: list[Job] = []
-        for delivery in deliveries:
-            job = _parse(delivery, self.limits)
-            (valid if job.request is not None else out.ended).append(job)
-        if not valid:
+        if not deliveries:
             return out
+        jobs = [_parse(delivery, self.limits) for delivery in deliveries]
         pipe = self.redis.pipeline(transaction=False)
-        for job in valid:
+        for job in jobs:
             pipe.hgetall(self.keys.job(job.job_id))
             pipe.xrange(self.keys.events(job.job_id))
         replies = pipe.execute(raise_on_error=False)
-        for i, job in enumerate(valid):
+        for i, job in enumerate(jobs):
             self._decide(job, replies[2 * i], replies[2 * i + 1], out)
         return out
 
     def _decide(self, job: Job, raw_status: Any, raw_events: Any, out: Pickup) -> None:
         for reply in (raw_status, raw_events):
             if isinstance(reply, redis.ResponseError):
-                job.reject(f"cannot read the job's keys: {reply}")
-                out.ended.append(job)
+                # Its keys cannot be written either (e.g. WRONGTYPE): ack, never retry forever.
+                log.error("job %s: cannot read its keys (%s); acked, not run", job.job_id, reply)
+                out.acks.append(job.delivery)
                 return
+        # This pickup's epoch fences off every earlier holder of the job (daemon.worker.fence).
+        job.epoch = int(raw_status.get(b"epoch", b"0")) + 1
+        job.stored_events = len(raw_events)
+        if self._taken(job, raw_status, out):
+            return
+        if job.request is None:  # rejected by _parse
+            if raw_events:
+                _no_final_event(job)
+            out.ended.append(job)
+            return
         status = _status(job.job_id, raw_status)
         try:
             events = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in raw_events]
         except (ValueError, KeyError) as exc:
             job.reject(f"events stream unreadable: {exc}")
+            _no_final_event(job)
             out.ended.append(job)
-            return
-        stored_entry = raw_status.get(b"entry")
-        if stored_entry is not None and stored_entry.decode() != job.delivery.entry_id:
-            log.warning(
-                "job %s: entry %s repeats a job id already taken by entry %s; not run twice",
-                job.job_id,
-                job.delivery.entry_id,
-                stored_entry.decode(),
-            )
-            out.acks.append(job.delivery)
             return
         if events and events[-1].final:
             _repair(job, events[-1])
@@ -121,10 +119,29 @@ class PickupPolicy:
             log.info("job %s is already %s; acked, not run", job.job_id, status.state.value)
             out.acks.append(job.delivery)
             return
+        self._start(job, status, events, out)
+
+    def _taken(self, job: Job, raw_status: dict[bytes, bytes], out: Pickup) -> bool:
+        """True (and the entry acked) when another entry already took this job id."""
+        stored_entry = raw_status.get(b"entry")
+        if stored_entry is not None and stored_entry.decode() != job.delivery.entry_id:
+            log.warning(
+                "job %s: entry %s repeats a job id already taken by entry %s; not run twice",
+                job.job_id,
+                job.delivery.entry_id,
+                stored_entry.decode(),
+            )
+            out.acks.append(job.delivery)
+            return True
+        return False
+
+    def _start(self, job: Job, status: JobStatus | None, events: list[Event], out: Pickup) -> None:
+        """Resume from the stored events; end early, refuse, or hand over to run."""
         try:
             job.resume_from(events)
         except ValueError as exc:
             job.reject(str(exc))
+            _no_final_event(job)
             out.ended.append(job)
             return
         self._start_timings(job, status)
@@ -227,14 +244,19 @@ def _status(job_id: str, raw: dict[bytes, bytes]) -> JobStatus | None:
         return None
 
 
+def _no_final_event(job: Job) -> None:
+    """A failed job whose events stream cannot take its final event (unreadable, or
+    not this job's): only its status is written, then it is acked."""
+    job.unpublished.clear()
+
+
 def _repair(job: Job, final: Event) -> None:
     """The final event is stored: write its status (idempotent) and ack; nothing runs."""
     reason = final.finish_reason
     assert reason is not None
     job.finish_reason = reason
-    job.set_status(
-        state=FINAL_STATE[reason],
-        finish_reason=reason,
+    job.set_final_status(
+        reason,
         finished_at=final.timings.finished if final.timings else None,
         completion_tokens=final.usage.completion_tokens if final.usage else None,
         error=final.error,

@@ -1,19 +1,22 @@
 """Publishing: one pipeline round trip per step writes every job's outbox, in order.
 
-Per job, the commands are ordered token events (XADD with the explicit id
-``0-<seq+1>`` then PUBLISH), status fields, and for an ended job: final event,
-final status, EXPIREs, dead letter, XACK. Each command is idempotent or
-guarded, so a pipeline resent after a connection drop, or a crash between any
-two commands, leaves nothing that recovery cannot repair: an XADD whose id is
-already taken fails (the exactly-once guard) without failing the pipeline.
-Such a duplicate is checked against the stored event: our own earlier write
-is fine; anything else means another daemon owns the job now.
+Per job, a fenced append (daemon.worker.fence) stores its token events (and
+PUBLISHes them), then its status fields. A job whose final event and final
+status are confirmed stored is finished by the *next* flush: dead letter,
+EXPIREs, XACK. So an entry is acked only after a reply said its final event is
+stored; a crash between the two leaves a pending job that pickup repairs.
+
+No reply ever drops work: a refused write (OOM, READONLY, NOPERM, ...) keeps
+the unsent events and status in the outbox, in order, for the next flush, and
+is reported so that the worker backs off. Only a job a later pickup owns
+(``lost``) or one whose stream does not end where the job believes
+(``reconcile``: Redis lost writes, or another daemon wrote) leaves the outbox.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,8 +25,9 @@ import redis
 from redis.client import Pipeline
 
 from daemon.worker import crashpoint
+from daemon.worker.fence import Fence, Outcome, Reply
 from daemon.worker.jobs import Job
-from producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id, seq_of
+from producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
 from producers.schema import Event
 
 log = logging.getLogger(__name__)
@@ -44,92 +48,61 @@ class Piggyback(Protocol):
 
 @dataclass
 class FlushResult:
-    """What one flush confirmed: jobs fully finished (acked) and jobs lost to another owner."""
+    """What one flush confirmed, and what it could not do."""
 
     finished: list[Job] = field(default_factory=list)
     lost: list[Job] = field(default_factory=list)
+    reconcile: list[Job] = field(default_factory=list)
+    refused: str | None = None
     published_events: int = 0
-
-
-@dataclass
-class _Plan:
-    """Which job (and which event, if an XADD) each pipeline command belongs to."""
-
-    owners: list[tuple[Job, Event | None]] = field(default_factory=list)
-
-    def add(self, job: Job, event: Event | None = None) -> None:
-        self.owners.append((job, event))
 
 
 class Publisher:
     """Writes outboxes to Redis; raises redis ConnectionError/TimeoutError when Redis is away
     (the outboxes are then untouched and the next flush sends them again)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, result_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, *, owner: str, result_ttl_s: int) -> None:
         self.redis = client
         self.keys = keys
         self.result_ttl_s = result_ttl_s
+        self.fence = Fence(client, keys, owner=owner)
+        self._loaded = False
 
     def flush(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> FlushResult:
-        """Send every outbox of ``jobs`` and the ``extras`` in one round trip; outboxes
-        Redis confirmed are cleared, the others are sent again by the next flush."""
-        pending = [job for job in jobs if job.unpublished or job.status or job.ended]
+        """Send every outbox of ``jobs`` and the ``extras`` in one round trip; what Redis
+        confirmed leaves the outboxes, the rest is sent again by the next flush."""
+        writing = [job for job in jobs if job.unpublished or job.status]
+        finishing = [job for job in jobs if job.stored_final]
         result = FlushResult()
-        if not pending and not extras:
+        if not writing and not finishing and not extras:
             return result
-        phases = self._phases(pending)
-        # Crash tests kill the daemon between two phases of a finish: only then is the
-        # pipeline sent phase by phase.
-        split = any(job.ended for job in pending) and (
-            crashpoint.armed("after_final_event") or crashpoint.armed("after_status")
-        )
-        replies: list[Any] = []
-        plan = _Plan()
+        if not self._loaded:
+            self.fence.load(self.redis)
+            self._loaded = True
         pipe = self.redis.pipeline(transaction=False)
-        for name, build in phases:
-            build(pipe, plan)
-            if split:
-                replies += pipe.execute(raise_on_error=False)
-                crashpoint.reached(name)
+        for job in writing:
+            self.fence.queue(pipe, job)
+        finish_sizes = [self._queue_finish(pipe, job) for job in finishing]
         for extra in extras:
             extra.queue(pipe)
-        replies += pipe.execute(raise_on_error=False)
-        extra_replies = replies[len(plan.owners) :]
-        for extra, reply in zip(extras, extra_replies, strict=True):
+        if finishing:
+            crashpoint.reached("after_status")
+        replies = pipe.execute(raise_on_error=False)
+        for job, raw in zip(writing, replies, strict=False):
+            self._settle(job, Reply.parse(raw), result)
+        at = len(writing)
+        for job, size in zip(finishing, finish_sizes, strict=True):
+            self._settle_finish(job, replies[at : at + size], result)
+            at += size
+        for extra, reply in zip(extras, replies[at:], strict=True):
             extra.handle(reply)
-        self._settle(pending, plan, replies[: len(plan.owners)], result)
+        if any(job.stored_final for job in writing):
+            crashpoint.reached("after_final_event")
         return result
 
-    def _phases(self, jobs: list[Job]) -> list[tuple[str, Callable[[Pipeline, _Plan], None]]]:
-        def events(pipe: Pipeline, plan: _Plan) -> None:
-            for job in jobs:
-                for event in job.unpublished:
-                    payload = event.encode()
-                    pipe.xadd(
-                        self.keys.events(job.job_id), {EVENT_FIELD: payload}, id=event_id(event.seq)
-                    )
-                    plan.add(job, event)
-                    pipe.publish(self.keys.tokens(job.job_id), payload)
-                    plan.add(job)
-
-        def status(pipe: Pipeline, plan: _Plan) -> None:
-            for job in jobs:
-                if job.status:
-                    fields: dict[Any, Any] = dict(job.status)
-                    pipe.hset(self.keys.job(job.job_id), mapping=fields)
-                    plan.add(job)
-
-        def finish(pipe: Pipeline, plan: _Plan) -> None:
-            for job in jobs:
-                if job.ended:
-                    self._queue_finish(pipe, plan, job)
-
-        return [("after_final_event", events), ("after_status", status), ("finished", finish)]
-
-    def _queue_finish(self, pipe: Pipeline, plan: _Plan, job: Job) -> None:
-        for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
-            pipe.expire(key, self.result_ttl_s)
-            plan.add(job)
+    def _queue_finish(self, pipe: Pipeline, job: Job) -> int:
+        """Dead letter, EXPIREs and XACK of a job whose final event is stored; how many."""
+        size = 0
         if job.dead_letter:
             pipe.xadd(
                 self.keys.dead,
@@ -143,49 +116,66 @@ class Publisher:
                 maxlen=DEAD_MAXLEN,
                 approximate=True,
             )
-            plan.add(job)
+            size += 1
+        for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
+            pipe.expire(key, self.result_ttl_s)
         pipe.xack(self.keys.queue(job.delivery.queue), CONSUMER_GROUP, job.delivery.entry_id)
-        plan.add(job)
+        return size + 3
 
-    def _settle(self, jobs: list[Job], plan: _Plan, replies: list[Any], out: FlushResult) -> None:
-        duplicates: dict[str, list[Event]] = {}
-        for (job, event), reply in zip(plan.owners, replies, strict=True):
-            if isinstance(reply, redis.ResponseError):
-                # XADD's refusal of an id not above the stream's last one (see module doc).
-                if event is not None and "equal or smaller" in str(reply):
-                    duplicates.setdefault(job.job_id, []).append(event)
-                else:
-                    log.error("job %s: redis refused a publish command: %s", job.job_id, reply)
-            elif event is not None:
-                out.published_events += 1
-        for job in jobs:
-            if job.job_id in duplicates and not self._own_writes(job, duplicates[job.job_id]):
-                out.lost.append(job)
-                continue
-            job.unpublished.clear()
+    def _settle(self, job: Job, reply: Reply, out: FlushResult) -> None:
+        if reply.outcome is Outcome.lost:
+            out.lost.append(job)
+            return
+        if reply.outcome is Outcome.tip:
+            if not self._confirm_resent(job, reply.count):
+                out.reconcile.append(job)
+            return
+        self._confirm(job, reply.count, out)
+        if reply.outcome is Outcome.stored:
             job.status.clear()
-            if job.ended:
-                out.finished.append(job)
+        else:
+            if reply.noscript:
+                self._loaded = False
+            out.refused = f"job {job.job_id}: {reply.error}"
 
-    def _own_writes(self, job: Job, events: list[Event]) -> bool:
-        """True when the stored events at these seqs are ours (a resent pipeline)."""
-        first = min(event.seq for event in events)
-        entries: Any = self.redis.xrange(self.keys.events(job.job_id), event_id(first))
-        stored = {
-            seq_of(entry_id): Event.decode(fields[EVENT_FIELD.encode()])
-            for entry_id, fields in entries
-        }
-        last_ours = max(event.seq for event in job.unpublished)
-        if any(seq > last_ours for seq in stored):
-            log.warning(
-                "job %s: events past seq %d stored by another daemon", job.job_id, last_ours
+    def _settle_finish(self, job: Job, replies: list[Any], out: FlushResult) -> None:
+        errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
+        if job.dead_letter and not isinstance(replies[0], redis.ResponseError):
+            job.dead_letter = False
+        if errors:
+            out.refused = f"job {job.job_id}: finishing: {errors[0]}"
+            return
+        if replies[-1] == 0:
+            log.error(
+                "job %s: queue entry %s was no longer pending (lost by Redis?); job finished",
+                job.job_id,
+                job.delivery.entry_id,
             )
+        out.finished.append(job)
+
+    def _confirm(self, job: Job, count: int, out: FlushResult) -> None:
+        """The first ``count`` outbox events are stored."""
+        del job.unpublished[:count]
+        job.stored_events += count
+        out.published_events += count
+
+    def _confirm_resent(self, job: Job, stored: int) -> bool:
+        """The stream holds more than the job believed: true when the extra events are
+        this outbox's own (a step whose reply was lost), which are then confirmed."""
+        extra = stored - job.stored_events
+        if extra <= 0 or extra > len(job.unpublished):
             return False
-        for event in events:
-            found = stored.get(event.seq)
-            if found is None or (found.token_id, found.final) != (event.token_id, event.final):
-                log.warning("job %s: seq %d stored by another daemon", job.job_id, event.seq)
-                return False
+        entries: Any = self.redis.xrange(
+            self.keys.events(job.job_id), event_id(job.stored_events), event_id(stored - 1)
+        )
+        found = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in entries]
+        ours = job.unpublished[:extra]
+        if [(e.seq, e.token_id, e.final) for e in found] != [
+            (e.seq, e.token_id, e.final) for e in ours
+        ]:
+            return False
+        del job.unpublished[:extra]
+        job.stored_events = stored
         return True
 
 

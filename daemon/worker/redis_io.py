@@ -100,13 +100,18 @@ class Backoff:
         if self.down_since is None:
             self.down_since = now
             log.warning(
-                "redis unreachable while %s (%s); retrying with backoff",
+                "redis unreachable or refusing while %s (%s); retrying with backoff",
                 doing,
                 exc,
                 extra={"event": "redis_lost"},
             )
         else:
-            log.debug("redis still unreachable while %s (%s); next try in %.2fs", doing, exc, wait)
+            log.debug(
+                "redis still unreachable or refusing while %s (%s); next try in %.2fs",
+                doing,
+                exc,
+                wait,
+            )
 
     def succeeded(self) -> None:
         if self.down_since is not None:

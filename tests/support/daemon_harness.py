@@ -169,6 +169,8 @@ def worker_thread(
     thread.start()
     ready.wait(60)
     worker: Worker = box["worker"]
+    # Serving once the heartbeat beats (it starts after the groups exist).
+    wait_until(worker.heartbeat._thread.is_alive, timeout=30, what="worker serving")
     try:
         yield worker
     finally:

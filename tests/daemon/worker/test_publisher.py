@@ -25,30 +25,47 @@ def _job(job_id: str) -> Job:
 
 def test_a_resent_pipeline_is_recognised_as_our_own(redis_server: RedisServer) -> None:
     client = redis_server.client()
-    publisher = Publisher(client, KEYS, result_ttl_s=60)
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
     job = _job("own")
     job.add_token(5, "a")
     job.add_token(6, "b")
     resent = list(job.unpublished)
     assert publisher.flush([job]).published_events == 2
     # The reply was lost (e.g. the connection dropped): the same events go again.
-    job.unpublished = resent
+    job.unpublished, job.stored_events = resent, 0
     job.add_token(7, "c")
     result = publisher.flush([job])
-    assert result.lost == [] and result.published_events == 1
+    assert result.lost == result.reconcile == [] and job.stored_events == 2
+    assert publisher.flush([job]).published_events == 1
     assert [e.token_id for e in events_of(client, KEYS, "own")] == [5, 6, 7]
 
 
-def test_events_stored_by_another_daemon_mean_the_job_is_lost(redis_server: RedisServer) -> None:
+def test_events_stored_by_another_daemon_mean_the_job_starts_over(
+    redis_server: RedisServer,
+) -> None:
     client = redis_server.client()
     client.xadd(
         KEYS.events("taken"), {EVENT_FIELD: Event(seq=0, token_id=9).encode()}, id=event_id(0)
     )
     job = _job("taken")
     job.add_token(5, "a")
-    result = Publisher(client, KEYS, result_ttl_s=60).flush([job])
-    assert result.lost == [job]
+    result = Publisher(client, KEYS, owner="me", result_ttl_s=60).flush([job])
+    assert result.reconcile == [job] and result.lost == []
     assert [e.token_id for e in events_of(client, KEYS, "taken")] == [9]
+
+
+def test_a_later_pickup_fences_off_the_earlier_owner(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    old, new = _job("fenced"), _job("fenced")
+    old.add_token(5, "a")
+    assert Publisher(client, KEYS, owner="a", result_ttl_s=60).flush([old]).lost == []
+    new.epoch, new.stored_events = 2, 1
+    new.output_token_ids = [5]
+    new.add_token(6, "b")
+    assert Publisher(client, KEYS, owner="b", result_ttl_s=60).flush([new]).lost == []
+    old.add_token(7, "c")
+    assert Publisher(client, KEYS, owner="a", result_ttl_s=60).flush([old]).lost == [old]
+    assert [e.token_id for e in events_of(client, KEYS, "fenced")] == [5, 6]
 
 
 def test_final_event_status_and_ack_in_that_order(redis_server: RedisServer) -> None:
@@ -59,7 +76,10 @@ def test_final_event_status_and_ack_in_that_order(redis_server: RedisServer) -> 
     job = Job(job_id="fin", delivery=Delivery("default", entry, {}))
     job.add_token(5, "a")
     job.end(FinishReason.stop)
-    assert Publisher(client, KEYS, result_ttl_s=60).flush([job]).finished == [job]
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
+    assert publisher.flush([job]).finished == []  # final event and status stored
+    assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 1
+    assert publisher.flush([job]).finished == [job]  # then the ack
     assert events_of(client, KEYS, "fin")[-1].finish_reason is FinishReason.stop
     assert client.hget(KEYS.job("fin"), "state") == b"finished"
     assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 0

@@ -1,0 +1,104 @@
+"""The fenced append: a job's events and status written by its owner only, in order.
+
+One script per job and step does, atomically: check that this daemon still
+owns the job (its ``epoch`` is not below the one stored on the status hash;
+a higher epoch means a later pickup took the job over), check that the
+events stream ends where this daemon believes (a shorter stream means Redis
+lost writes; a longer one, that a resent step or another daemon stored more),
+then append the events in order, stopping at the first refused one, and only
+then write the status fields. So a refused write (OOM, READONLY, NOPERM) never
+leaves a gap, a partitioned daemon never interleaves its tokens with the new
+owner's, and a status never runs ahead of the events it describes.
+
+The epoch is taken at pickup (the stored epoch plus one) and claimed by the
+first append, so each pickup of a job fences off every earlier one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import redis
+from redis.client import Pipeline
+
+from daemon.worker.jobs import Job
+from producers.keys import EVENT_FIELD, Keys, event_id
+
+# KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel.
+# ARGV[1] owner, ARGV[2] epoch, ARGV[3] events the owner believes stored, ARGV[4] n,
+# then n (entry id, event JSON) pairs, then status field/value pairs.
+APPEND = f"""
+local held = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0')
+local mine = tonumber(ARGV[2])
+if held > mine or (held == mine and redis.call('HGET', KEYS[2], 'owner') ~= ARGV[1]) then
+  return {{'lost'}}
+end
+if held < mine then redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'owner', ARGV[1]) end
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local stored = 0
+if #last > 0 then stored = tonumber(string.match(last[1][1], '%-(%d+)$')) end
+if stored ~= tonumber(ARGV[3]) then return {{'tip', stored}} end
+local n = tonumber(ARGV[4])
+for i = 0, n - 1 do
+  local r = redis.pcall('XADD', KEYS[1], ARGV[5 + 2 * i], '{EVENT_FIELD}', ARGV[6 + 2 * i])
+  if type(r) == 'table' and r.err then return {{'refused', i, r.err}} end
+  redis.pcall('PUBLISH', KEYS[3], ARGV[6 + 2 * i])
+end
+if #ARGV > 4 + 2 * n then
+  local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 5 + 2 * n))
+  if type(r) == 'table' and r.err then return {{'refused', n, r.err}} end
+end
+return {{'ok', n}}
+"""
+
+
+class Outcome(Enum):
+    stored = "ok"  # every event and the status are stored
+    refused = "refused"  # the first ``count`` events are stored; Redis refused the next write
+    lost = "lost"  # a later pickup owns the job: nothing was written
+    tip = "tip"  # the stream holds ``count`` events, not what the owner believed
+
+
+@dataclass(frozen=True)
+class Reply:
+    outcome: Outcome
+    count: int = 0
+    error: str = ""
+    # Redis does not have the script (restarted, or SCRIPT FLUSH): load it again.
+    noscript: bool = False
+
+    @classmethod
+    def parse(cls, raw: Any) -> Reply:
+        """The script's reply; a whole-script error reply (NOPERM, WRONGTYPE on the
+        stream, NOSCRIPT) means nothing was written."""
+        if isinstance(raw, redis.ResponseError):
+            noscript = isinstance(raw, redis.exceptions.NoScriptError)
+            return cls(Outcome.refused, 0, str(raw), noscript=noscript)
+        outcome = Outcome(raw[0].decode())
+        count = int(raw[1]) if len(raw) > 1 else 0
+        error = raw[2].decode(errors="replace") if len(raw) > 2 else ""
+        return cls(outcome, count, error)
+
+
+class Fence:
+    """Queues one fenced append per job into a pipeline."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, owner: str) -> None:
+        self.keys = keys
+        self.owner = owner
+        self.script = client.register_script(APPEND)
+
+    def load(self, client: redis.Redis) -> None:
+        """Load the script (once, and again after a NOSCRIPT: Redis restarted or flushed)."""
+        client.script_load(APPEND)
+
+    def queue(self, pipe: Pipeline, job: Job) -> None:
+        args: list[Any] = [self.owner, job.epoch, job.stored_events, len(job.unpublished)]
+        for event in job.unpublished:
+            args += [event_id(event.seq), event.encode()]
+        for name, value in job.status.items():
+            args += [name, value]
+        keys = [self.keys.events(job.job_id), self.keys.job(job.job_id)]
+        pipe.evalsha(self.script.sha, 3, *keys, self.keys.tokens(job.job_id), *args)

@@ -1,0 +1,1 @@
+"""Faults Redis really has, injected for real: a TCP proxy and redis-server helpers."""

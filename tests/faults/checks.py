@@ -1,0 +1,54 @@
+"""What every fault test asserts once the fault is over: each job ended exactly once
+with the tokens of an uninterrupted run, and nothing is left pending."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from producers.keys import CONSUMER_GROUP, Keys
+from producers.schema import JobState
+from support.daemon_harness import expected_fake_tokens, status_of, token_ids, wait_final
+
+KEYS = Keys()
+
+
+def fake_jobs(n: int, *, prefix: str, max_tokens: int = 30) -> list[dict[str, Any]]:
+    """Jobs for the FakeGenerator: odd ones seeded, all deterministic."""
+    jobs = []
+    for i in range(n):
+        job: dict[str, Any] = {
+            "id": f"{prefix}{i}",
+            "prompt_token_ids": [3 + i, 5, 7 + 2 * i],
+            "max_tokens": max_tokens - i % 5,
+        }
+        if i % 2:
+            job.update(temperature=0.7, seed=100 + i)
+        jobs.append(job)
+    return jobs
+
+
+def assert_all_done_once(
+    client: redis.Redis, jobs: list[dict[str, Any]], *, timeout: float = 60
+) -> None:
+    """Every job: one final event at the end of a gap-free, duplicate-free stream (checked
+    by events_of), the uninterrupted run's tokens, a final status; nothing pending."""
+    done = wait_final(client, KEYS, [job["id"] for job in jobs], timeout=timeout)
+    for job in jobs:
+        events = done[job["id"]]
+        assert sum(e.final for e in events) == 1
+        expected = expected_fake_tokens(job["prompt_token_ids"], job.get("seed"), job["max_tokens"])
+        assert token_ids(events) == expected, job["id"]
+        assert status_of(client, KEYS, job["id"]).state is JobState.finished
+    wait_nothing_pending(client)
+
+
+def wait_nothing_pending(client: redis.Redis, *, timeout: float = 20) -> None:
+    from support.daemon_harness import wait_until
+
+    def empty() -> bool:
+        pending: Any = client.xpending(KEYS.queue(), CONSUMER_GROUP)
+        return int(pending["pending"]) == 0
+
+    wait_until(empty, timeout=timeout, what="no entry pending")
