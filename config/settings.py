@@ -79,6 +79,12 @@ class DaemonSettings(_Section):
     metrics_addr: str = Field(
         "127.0.0.1", min_length=1, description="Address the metrics endpoint listens on."
     )
+    stall_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A daemon with work and no completed step this long counts as dead: "
+        "its jobs become claimable and it exits non-zero for its supervisor to restart it.",
+    )
 
     @field_validator("consumer_name")
     @classmethod

@@ -21,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -71,6 +72,8 @@ class Heartbeat:
         interval_s: float,
         ttl_s: float,
         info: dict[str, Any],
+        stall_timeout_s: float = float("inf"),
+        on_stall: Callable[[float], None] | None = None,
     ) -> None:
         self.redis = client
         self.key = key
@@ -87,6 +90,9 @@ class Heartbeat:
             "started_at": time.time(),
         }
         self.snapshot: dict[str, Any] = {}
+        # Liveness is progress: ``busy`` with ``last_step_at`` older than this is a stall.
+        self.stall_timeout_s = stall_timeout_s
+        self.on_stall = on_stall
         self._set = client.register_script(_SET)
         self._delete = client.register_script(_DELETE)
         self._stop = threading.Event()
@@ -126,13 +132,25 @@ class Heartbeat:
         """Stop beating; ``remove`` deletes the key (if still ours) so other daemons
         may claim at once."""
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
         if remove:
-            try:
-                self._delete(keys=[self.key], args=[self.instance])
-            except redis.RedisError as exc:
-                log.warning("could not delete heartbeat %s: %s", self.key, exc)
+            self.remove()
+
+    def remove(self) -> None:
+        """Delete the key if it is still this process's (other daemons may claim at once)."""
+        try:
+            self._delete(keys=[self.key], args=[self.instance])
+        except redis.RedisError as exc:
+            log.warning("could not delete heartbeat %s: %s", self.key, exc)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has had work without completing a step (0 when fine)."""
+        figures = self.snapshot
+        if not figures.get("busy"):
+            return 0.0
+        silent = time.time() - float(figures.get("last_step_at") or time.time())
+        return silent if silent > self.stall_timeout_s else 0.0
 
     def _run(self) -> None:
         # Every error is survived: a daemon whose heartbeat thread died would see its
@@ -147,4 +165,7 @@ class Heartbeat:
                 if str(exc) != self._failing:
                     log.error("heartbeat %s failed: %s", self.key, exc)
                 self._failing = str(exc)
+            stalled = self.stalled_for()
+            if stalled and self.on_stall is not None:
+                self.on_stall(stalled)
             self._stop.wait(self.interval_s)

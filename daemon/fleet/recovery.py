@@ -26,14 +26,24 @@ log = logging.getLogger(__name__)
 # How many pending entries one claim pass looks at (live daemons' entries included).
 SCAN = 1000
 
-# Every script gets ARGV: heartbeat key prefix, group, this consumer, min idle ms, then
-# its own. One rule says who is dead, so claiming and forgetting never disagree: the
-# heartbeat key is gone (expired, or deleted at a graceful stop).
+# Every script gets ARGV: heartbeat key prefix, group, this consumer, min idle ms, stall
+# timeout s, then its own. One rule says who is dead, so claiming and forgetting never
+# disagree: the heartbeat key is gone (expired, or deleted at a graceful stop), or it
+# says the daemon has work and completed no step for the stall timeout (a wedged engine).
 _DEAD = """
-local function dead(name) return redis.call('EXISTS', ARGV[1] .. name) == 0 end
+local function dead(name)
+  local beat = redis.call('GET', ARGV[1] .. name)
+  if not beat then return true end
+  local ok, body = pcall(cjson.decode, beat)
+  if not ok or type(body) ~= 'table' or not body['busy'] then return false end
+  local last = tonumber(body['last_step_at'])
+  if not last then return false end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000 - last > tonumber(ARGV[5])
+end
 """
 
-# KEYS[1] queue stream; ARGV[5] most to claim, ARGV[6] how many pending entries to scan.
+# KEYS[1] queue stream; ARGV[6] most to claim, ARGV[7] how many pending entries to scan.
 # Returns {claimed, deleted}: {entry id, delivery count, previous owner, {field, value, ...}}
 # per claimed entry, and the ids of pending entries whose stream entry was gone (acked).
 _CLAIM = (
@@ -41,8 +51,8 @@ _CLAIM = (
     + """
 local out = {}
 local deleted = {}
-local want = tonumber(ARGV[5])
-local pending = redis.call('XPENDING', KEYS[1], ARGV[2], 'IDLE', ARGV[4], '-', '+', ARGV[6])
+local want = tonumber(ARGV[6])
+local pending = redis.call('XPENDING', KEYS[1], ARGV[2], 'IDLE', ARGV[4], '-', '+', ARGV[7])
 for _, entry in ipairs(pending) do
   if #out >= want then break end
   local owner = entry[2]
@@ -87,11 +97,18 @@ class Recovery:
     and forgetting those consumers once they hold nothing."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, *, consumer: str, heartbeat_ttl_s: float
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        consumer: str,
+        heartbeat_ttl_s: float,
+        stall_timeout_s: float = 300.0,
     ) -> None:
         self.redis = client
         self.keys = keys
         self.consumer = consumer
+        self.stall_timeout_s = stall_timeout_s
         # Besides the heartbeat check: nothing idle for less than a heartbeat TTL is touched.
         self.min_idle_ms = int(heartbeat_ttl_s * 1000)
         self._claim = client.register_script(_CLAIM)
@@ -177,4 +194,11 @@ class Recovery:
         return gone
 
     def _args(self, *extra: int) -> list[str | int]:
-        return [self.keys.daemon(""), CONSUMER_GROUP, self.consumer, self.min_idle_ms, *extra]
+        return [
+            self.keys.daemon(""),
+            CONSUMER_GROUP,
+            self.consumer,
+            self.min_idle_ms,
+            repr(self.stall_timeout_s),
+            *extra,
+        ]

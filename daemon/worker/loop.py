@@ -17,6 +17,7 @@ outbox, in order, and the publisher retries with backoff (capped at
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,9 @@ from producers.keys import CONSUMER_GROUP, Keys
 from producers.schema import FinishReason
 
 log = logging.getLogger(__name__)
+
+# Exit status of a daemon whose engine stalled (EX_SOFTWARE).
+EXIT_STALLED = 70
 
 StepObserver = Callable[[StepView | None, list[TokenOut]], None]
 
@@ -79,7 +83,11 @@ class Worker:
             encode=generator.encode,
         )
         self.recovery = Recovery(
-            self.redis, self.keys, consumer=consumer, heartbeat_ttl_s=opts.heartbeat_ttl_s
+            self.redis,
+            self.keys,
+            consumer=consumer,
+            heartbeat_ttl_s=opts.heartbeat_ttl_s,
+            stall_timeout_s=opts.stall_timeout_s,
         )
         self.cancels = Cancellations(self.keys)
         self.intake_reader = Intake(self.keys, self.queues, consumer=consumer)
@@ -90,7 +98,11 @@ class Worker:
             interval_s=opts.heartbeat_interval_s,
             ttl_s=opts.heartbeat_ttl_s,
             info={"consumer": consumer, "model": settings.model, "queues": self.queues},
+            stall_timeout_s=opts.stall_timeout_s,
+            on_stall=self._stalled,
         )
+        # When the engine last made progress: its last completed step, or now while idle.
+        self.last_step_at = time.time()
         self.meter = Meter()
         self.stopping = False
         self.deadline = float("inf")
@@ -196,6 +208,7 @@ class Worker:
             return
         began = time.monotonic()
         outputs = self.gen.step()
+        self.last_step_at = time.time()
         view = self.gen.last_step()
         self.meter.step(view, len(outputs))
         self.ops.stepped(view, outputs, time.monotonic() - began, self.jobs)
@@ -363,6 +376,21 @@ class Worker:
         held.update(d.entry_id for d in self.unacked)
         return held
 
+    def _stalled(self, silent_s: float) -> None:
+        """Called on the heartbeat thread when the engine has had work and no completed
+        step for ``daemon.stall_timeout_s``: the engine thread cannot be interrupted, so
+        the process leaves its jobs to others (their events are the checkpoint) and exits
+        non-zero for its supervisor to restart it."""
+        log.critical(
+            "engine stalled: work and no completed step for %.0fs; exiting (status %d) so "
+            "that other daemons take over the jobs",
+            silent_s,
+            EXIT_STALLED,
+        )
+        self.heartbeat.remove()
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
+
     def _out_of_engine(self, job: Job) -> None:
         """Abort the job in the engine if it is there (cancelled, lost, handed back)."""
         if job.in_engine:
@@ -371,7 +399,12 @@ class Worker:
 
     def _figures(self) -> dict[str, Any]:
         load = self.gen.load()
+        busy = self.gen.has_work()
+        if not busy:
+            self.last_step_at = time.time()
         return {
+            "busy": busy,
+            "last_step_at": self.last_step_at,
             "running": load.running,
             "waiting": load.waiting,
             "kv_usage": round(load.kv_usage, 4),

@@ -1,0 +1,35 @@
+"""A daemon whose engine wedges: ``python -m faults.wedged_daemon URL CONSUMER STEPS``
+serves with the fake engine, whose step never returns after STEPS steps (a hung
+kernel, a deadlock). Run as a subprocess: the stall makes it exit."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+
+from daemon.worker.generator import TokenOut
+from daemon.worker.loop import Worker
+from support.daemon_harness import FakeGenerator, fast_settings
+
+
+@dataclass
+class WedgedGenerator(FakeGenerator):
+    steps_left: int = 0
+
+    def step(self) -> list[TokenOut]:
+        if self.steps_left <= 0:
+            threading.Event().wait()
+        self.steps_left -= 1
+        return super().step()
+
+
+def main(url: str, consumer: str, steps: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    settings = fast_settings(url, stall_timeout_s=1.0)
+    Worker(settings, WedgedGenerator(step_delay_s=0.01, steps_left=steps), consumer=consumer).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
