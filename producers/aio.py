@@ -12,7 +12,6 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import redis
 import redis.asyncio as aioredis
 
 from config import DEFAULT_REDIS_URL
@@ -27,9 +26,9 @@ from producers.follow import (
     Step,
     read_reply,
 )
-from producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD
 from producers.result import JobResult, ResultBuilder
 from producers.schema import Event, JobRequest, JobStatus, encode_job
+from producers.transact import CANCEL, SUBMIT, CancelPlan, SubmitPlan
 
 
 class AsyncClient(ClientBase):
@@ -44,6 +43,8 @@ class AsyncClient(ClientBase):
         else:
             self.check_connection(redis_url.connection_pool.connection_kwargs)
             self.redis = redis_url
+        self._submit = self.redis.register_script(SUBMIT)
+        self._cancel = self.redis.register_script(CANCEL)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -87,21 +88,16 @@ class AsyncClient(ClientBase):
         job_id = request.id
         assert job_id is not None
         name = self.queue_name(queue)
-        status_key = self.keys.job(job_id)
-        async with self.redis.pipeline() as pipe:
-            try:
-                await pipe.watch(status_key)
-                if await pipe.exists(status_key):
-                    if idempotent:
-                        return AsyncJobHandle(self, job_id, name)
-                    raise self.duplicate(job_id, await pipe.hget(status_key, "state"))
-                pipe.multi()
-                pipe.hset(status_key, mapping=self.initial_status(name))
-                pipe.xadd(self.keys.queue(name), {JOB_FIELD: encode_job(request)})
-                await pipe.execute()
-            except redis.WatchError:
-                if not idempotent:
-                    raise self.duplicate(job_id, None) from None
+        plan = SubmitPlan.make(
+            self.keys,
+            job_id=job_id,
+            queue=name,
+            payload=encode_job(request),
+            status=self.initial_status(name),
+        )
+        reply = await self._submit(keys=plan.keys, args=plan.args)
+        if not plan.enqueued(reply) and not idempotent:
+            raise self.duplicate(job_id, plan.existing_state(reply))
         return AsyncJobHandle(self, job_id, name)
 
     def handle(self, job_id: str, *, queue: str | None = None) -> AsyncJobHandle:
@@ -112,25 +108,9 @@ class AsyncClient(ClientBase):
 
     async def cancel(self, job_id: str) -> bool:
         """See :meth:`producers.client.Client.cancel`."""
-        key = self.keys.job(job_id)
-        while True:
-            async with self.redis.pipeline() as pipe:
-                try:
-                    await pipe.watch(key)
-                    if not self.should_cancel(job_id, await pipe.hget(key, "state")):
-                        return False
-                    pipe.multi()
-                    pipe.hset(key, "cancel_requested", "1")
-                    pipe.xadd(
-                        self.keys.cancel,
-                        {CANCEL_FIELD: job_id},
-                        maxlen=CANCEL_MAXLEN,
-                        approximate=True,
-                    )
-                    await pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        plan = CancelPlan.make(self.keys, job_id)
+        reply = await self._cancel(keys=plan.keys, args=plan.args)
+        return self.should_cancel(job_id, plan.state(reply)) and plan.requested(reply)
 
     async def stream(
         self, job_id: str, *, after_seq: int = -1, timeout: float | None = None

@@ -27,7 +27,9 @@ class ClientBase:
     submit, so a job the daemon would refuse fails at once with a
     ValidationError. ``block_ms`` is the longest XREAD BLOCK; the connection's
     socket timeout must exceed it. ``reconnect_timeout_s`` is how long a stream
-    keeps retrying an unreachable Redis before the error propagates.
+    keeps retrying an unreachable Redis before the error propagates;
+    ``missing_timeout_s`` how long following a job that has neither a status
+    hash nor an event waits before raising JobNotFound.
     """
 
     def __init__(
@@ -38,12 +40,14 @@ class ClientBase:
         limits: LimitSettings | None = None,
         block_ms: int = 1000,
         reconnect_timeout_s: float = 60.0,
+        missing_timeout_s: float = 10.0,
     ) -> None:
         self.keys = Keys(prefix)
         self.queue = queue
         self.limits = limits
         self.block_ms = block_ms
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.missing_timeout_s = missing_timeout_s
 
     def connection_options(self) -> dict[str, Any]:
         return {
@@ -119,4 +123,5 @@ class ClientBase:
             status_interval_s=self.block_ms / 1000,
             reconnect_timeout_s=self.reconnect_timeout_s,
             timeout=timeout,
+            missing_timeout_s=self.missing_timeout_s,
         )

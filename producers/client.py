@@ -27,9 +27,9 @@ from producers.follow import (
     Step,
     read_reply,
 )
-from producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD
 from producers.result import JobResult, ResultBuilder
 from producers.schema import Event, JobRequest, JobStatus, encode_job
+from producers.transact import CANCEL, SUBMIT, CancelPlan, SubmitPlan
 
 
 class Client(ClientBase):
@@ -47,6 +47,8 @@ class Client(ClientBase):
         else:
             self.check_connection(redis_url.connection_pool.connection_kwargs)
             self.redis = redis_url
+        self._submit = self.redis.register_script(SUBMIT)
+        self._cancel = self.redis.register_script(CANCEL)
 
     def close(self) -> None:
         self.redis.close()
@@ -96,23 +98,16 @@ class Client(ClientBase):
         job_id = request.id
         assert job_id is not None
         name = self.queue_name(queue)
-        status_key = self.keys.job(job_id)
-        with self.redis.pipeline() as pipe:
-            try:
-                # WATCH + MULTI: the status hash and the queue entry appear together,
-                # and a concurrent submit of the same id makes EXEC fail.
-                pipe.watch(status_key)
-                if pipe.exists(status_key):
-                    if idempotent:
-                        return JobHandle(self, job_id, name)
-                    raise self.duplicate(job_id, pipe.hget(status_key, "state"))
-                pipe.multi()
-                pipe.hset(status_key, mapping=self.initial_status(name))
-                pipe.xadd(self.keys.queue(name), {JOB_FIELD: encode_job(request)})
-                pipe.execute()
-            except redis.WatchError:
-                if not idempotent:
-                    raise self.duplicate(job_id, None) from None
+        plan = SubmitPlan.make(
+            self.keys,
+            job_id=job_id,
+            queue=name,
+            payload=encode_job(request),
+            status=self.initial_status(name),
+        )
+        reply = self._submit(keys=plan.keys, args=plan.args)
+        if not plan.enqueued(reply) and not idempotent:
+            raise self.duplicate(job_id, plan.existing_state(reply))
         return JobHandle(self, job_id, name)
 
     def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
@@ -130,25 +125,9 @@ class Client(ClientBase):
         pickup) and notifies running daemons on the cancel stream. Raises
         JobNotFound. The job ends with a ``cancelled`` final event.
         """
-        key = self.keys.job(job_id)
-        while True:
-            with self.redis.pipeline() as pipe:
-                try:
-                    pipe.watch(key)
-                    if not self.should_cancel(job_id, pipe.hget(key, "state")):
-                        return False
-                    pipe.multi()
-                    pipe.hset(key, "cancel_requested", "1")
-                    pipe.xadd(
-                        self.keys.cancel,
-                        {CANCEL_FIELD: job_id},
-                        maxlen=CANCEL_MAXLEN,
-                        approximate=True,
-                    )
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue  # the daemon updated the status meanwhile: decide again
+        plan = CancelPlan.make(self.keys, job_id)
+        reply = self._cancel(keys=plan.keys, args=plan.args)
+        return self.should_cancel(job_id, plan.state(reply)) and plan.requested(reply)
 
     def stream(
         self, job_id: str, *, after_seq: int = -1, timeout: float | None = None

@@ -8,6 +8,9 @@ expected seq" is a stream id and a resumed read can neither skip nor repeat an
 event. After a dropped connection it backs off and catches up again from the
 last seq it delivered.
 
+A job with neither a status hash nor an event for ``missing_timeout_s`` does
+not exist (never submitted, or expired): following it raises JobNotFound.
+
 A job can end without a final event (dead-lettered by the daemon, or its
 events expired): a follower reads the job's status hash once it has caught
 up, and again whenever it has heard nothing for ``status_interval_s``; when
@@ -31,7 +34,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from producers.errors import JobTimeout, ProtocolError
+from producers.errors import JobNotFound, JobTimeout, ProtocolError
 from producers.keys import EVENT_FIELD, Keys, event_id, seq_of
 from producers.schema import Event, FinishReason, JobState, JobStatus
 
@@ -89,6 +92,8 @@ class EventCursor:
         self.quiet_since = -math.inf
         self.status_checked = False
         self.ended: JobStatus | None = None
+        # Since when the job has had neither a status hash nor an event (None: it has).
+        self.missing_since: float | None = None
 
     @property
     def last_id(self) -> str:
@@ -165,6 +170,7 @@ class Follower:
         reconnect_timeout_s: float = 60.0,
         retry_max_s: float = 2.0,
         timeout: float | None = None,
+        missing_timeout_s: float = 10.0,
     ) -> None:
         self.keys = keys
         self.block_ms = block_ms
@@ -172,6 +178,7 @@ class Follower:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.retry_max_s = retry_max_s
         self.timeout = timeout
+        self.missing_timeout_s = missing_timeout_s
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.cursors: dict[str, EventCursor] = {}
 
@@ -238,10 +245,22 @@ class Follower:
             cursor.quiet_since = now
             cursor.status_checked = True
             status = _status_or_none(data)
+            self._note_missing(cursor, found=bool(data), now=now)
             if status is not None and status.state.terminal:
                 cursor.ended = status
                 ended = True
         return ended
+
+    def _note_missing(self, cursor: EventCursor, *, found: bool, now: float) -> None:
+        """Raise JobNotFound for a job with no status hash and no event for
+        ``missing_timeout_s``: never submitted, its submit failed, or it expired.
+        (A follower may start just before the submit: hence the wait.)"""
+        if found or cursor.next_seq > 0:
+            cursor.missing_since = None
+        elif cursor.missing_since is None:
+            cursor.missing_since = now
+        elif now - cursor.missing_since >= self.missing_timeout_s:
+            raise JobNotFound(cursor.job_id)
 
     def _route(self, reply: dict[str, list[Any]]) -> list[Delivery]:
         now = time.monotonic()

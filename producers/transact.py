@@ -1,0 +1,98 @@
+"""Submit and cancel as one script each, with the decision logic free of I/O.
+
+The sync and async clients send the same script with the same arguments and
+read the reply the same way (:class:`SubmitPlan`, :class:`CancelPlan`); only
+the call differs. One script instead of WATCH/MULTI means a connection error is
+a connection error (redis-py reports a connection lost inside WATCH as a
+WatchError, which looked like "already submitted"), and a retried submit is
+recognised as the same one by its ``submit_token``: safe to retry.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD, Keys
+from producers.schema import JobState
+
+_TERMINAL = ", ".join(f"['{state.value}'] = true" for state in JobState if state.terminal)
+
+# KEYS[1] status hash, KEYS[2] queue stream. ARGV[1] submit token, ARGV[2] job JSON,
+# then the initial status field/value pairs. Returns {'ok'} or {'exists', token, state}.
+SUBMIT = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local held = redis.call('HMGET', KEYS[1], 'submit_token', 'state')
+  return {{'exists', held[1] or '', held[2] or ''}}
+end
+redis.call('HSET', KEYS[1], 'submit_token', ARGV[1], unpack(ARGV, 3))
+redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[2])
+return {{'ok'}}
+"""
+
+# KEYS[1] status hash, KEYS[2] cancel stream; ARGV[1] job id, ARGV[2] cancel stream MAXLEN.
+# Returns the job's state ('' when there is no status hash) and 1 if the request was made.
+CANCEL = f"""
+local terminal = {{{_TERMINAL}}}
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {{'', 0}} end
+if terminal[state] then return {{state, 0}} end
+redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', '{CANCEL_FIELD}', ARGV[1])
+return {{state, 1}}
+"""
+
+
+@dataclass(frozen=True)
+class SubmitPlan:
+    """One submit: its script call, and what the reply means."""
+
+    keys: list[str]
+    args: list[Any]
+    token: str
+
+    @classmethod
+    def make(
+        cls, keys: Keys, *, job_id: str, queue: str, payload: bytes, status: dict[Any, Any]
+    ) -> SubmitPlan:
+        token = secrets.token_hex(8)
+        args: list[Any] = [token, payload]
+        for name, value in status.items():
+            args += [name, value]
+        return cls([keys.job(job_id), keys.queue(queue)], args, token)
+
+    def enqueued(self, reply: Any) -> bool:
+        """True when this submit enqueued the job (now or in an attempt whose reply was
+        lost); False when it existed before; raises nothing."""
+        if _text(reply[0]) == "ok":
+            return True
+        return _text(reply[1]) == self.token
+
+    def existing_state(self, reply: Any) -> str | None:
+        return _text(reply[2]) or None
+
+
+@dataclass(frozen=True)
+class CancelPlan:
+    """One cancel request: its script call, and what the reply means."""
+
+    keys: list[str]
+    args: list[Any]
+
+    @classmethod
+    def make(cls, keys: Keys, job_id: str) -> CancelPlan:
+        return cls([keys.job(job_id), keys.cancel], [job_id, CANCEL_MAXLEN])
+
+    @staticmethod
+    def state(reply: Any) -> str | None:
+        """The job's state before the request; None when the job does not exist."""
+        return _text(reply[0]) or None
+
+    @staticmethod
+    def requested(reply: Any) -> bool:
+        return int(reply[1]) == 1
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
