@@ -11,8 +11,9 @@ an entry ``event <Event JSON>`` with id ``0-<seq+1>`` on
 ``text``, ``usage`` and ``timings``. ``batchd:job:<id>`` is the status hash.
 
 Submitting: the producer creates the status hash (``state`` queued, ``queue``,
-``queued_at``) only if it does not exist yet, in the same MULTI as the XADD
-(WATCH the hash first); a job id seen before is not enqueued again.
+``queued_at``) only if it does not exist yet, atomically with the XADD (one
+script, as producers.transact does, or WATCH + MULTI); a job id seen before is
+not enqueued again.
 Cancelling: ``HSET batchd:job:<id> cancel_requested 1`` (the truth, checked by
 the daemon at pickup), then ``XADD batchd:cancel MAXLEN ~ 10000 * id <id>`` to
 tell running daemons. A job ends with its final event, written before its
@@ -342,6 +343,38 @@ class JobStatus(BaseModel):
         return out
 
 
+class DaemonHeartbeat(BaseModel):
+    """The heartbeat JSON at ``batchd:daemon:<consumer>``, set with a TTL by a live daemon.
+
+    Read by other daemons (the claim rule: a daemon is dead when the key is gone,
+    or when it is ``busy`` and ``last_step_at`` is older than the stall timeout),
+    by ``batchd top`` and by gateways. Unknown fields are kept (newer daemons).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    consumer: str
+    model: str | None = None
+    queues: list[str] = Field(default_factory=list)
+    instance: str = Field(description="host:pid:tag of the process owning the key.")
+    pid: int
+    host: str
+    started_at: float
+    at: float = Field(description="Unix time of this beat.")
+    busy: bool = Field(False, description="The engine has work.")
+    last_step_at: float | None = Field(
+        None, description="Unix time of the last completed engine step (or of the last idle check)."
+    )
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    jobs_held: int = 0
+    tokens_per_s: float = 0.0
+    jobs_done: dict[str, int] = Field(default_factory=dict)
+    redis_down: bool = False
+    stopping: bool = False
+
+
 def now() -> float:
     return time.time()
 
@@ -379,5 +412,6 @@ def protocol_schema() -> dict[str, Any]:
             "JobRequest": JobRequest.model_json_schema(),
             "Event": Event.model_json_schema(),
             "JobStatus": JobStatus.model_json_schema(),
+            "DaemonHeartbeat": DaemonHeartbeat.model_json_schema(),
         },
     }

@@ -27,6 +27,8 @@ from typing import Any
 import orjson
 import redis
 
+from producers.schema import DaemonHeartbeat
+
 log = logging.getLogger(__name__)
 
 # KEYS[1] heartbeat key; ARGV[1] this instance, ARGV[2] body, ARGV[3] ttl ms.
@@ -106,8 +108,9 @@ class Heartbeat:
     def beat(self) -> None:
         """Set the key once now; raises ConsumerTaken when another process holds it,
         and Redis errors as they come."""
-        body = {**self.static, **self.snapshot, "at": time.time()}
-        held = self._set(keys=[self.key], args=[self.instance, orjson.dumps(body), self.ttl_ms])
+        body = DaemonHeartbeat.model_validate({**self.static, **self.snapshot, "at": time.time()})
+        payload = body.model_dump_json().encode()
+        held = self._set(keys=[self.key], args=[self.instance, payload, self.ttl_ms])
         if held:
             raise ConsumerTaken(self.key, orjson.loads(held))
 
