@@ -74,3 +74,23 @@ def test_readonly_after_a_failover_and_back(redis_server: RedisServer, tmp_path:
 def _linked(client: redis.Redis) -> bool:
     info: Any = client.info("replication")
     return info.get("master_link_status") == "up"
+
+
+def test_acl_revocation_and_restore_loses_nothing(redis_server: RedisServer) -> None:
+    """An operator takes write permissions from the daemon's ACL user (NOPERM on every
+    write, scripts included), then gives them back."""
+    client = redis_server.client()
+    client.acl_setuser("daemon", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"])
+    client.acl_setuser("daemon", enabled=True, commands=["+@all"])
+    url = f"redis://daemon:pw@127.0.0.1:{redis_server.port}/0"
+    jobs = fake_jobs(4, prefix="acl")
+    with worker_thread(fast_settings(url), lambda: FakeGenerator(step_delay_s=0.01)) as w:
+        for job in jobs:
+            enqueue(client, KEYS, job)
+        wait_until(lambda: _started(client, "acl0"), what="first tokens")
+        client.acl_setuser("daemon", enabled=True, commands=["-@write"])
+        wait_until(lambda: w.backoff.down, what="writes refused (NOPERM)")
+        time.sleep(0.5)
+        assert w.heartbeat._thread.is_alive()
+        client.acl_setuser("daemon", enabled=True, commands=["+@all"])
+        assert_all_done_once(client, jobs)
