@@ -26,7 +26,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   local held = redis.call('HMGET', KEYS[1], 'submit_token', 'state')
   return {{'exists', held[1] or '', held[2] or ''}}
 end
-redis.call('HSET', KEYS[1], 'submit_token', ARGV[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], 'submit_token', ARGV[1])
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[2])
 return {{'ok'}}
 """
