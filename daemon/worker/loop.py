@@ -481,4 +481,6 @@ class Worker:
                 retrycount=max(0, job.delivery.deliveries - 1),
                 justid=True,
             )
-        pipe.execute()
+        for job, reply in zip(jobs, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, redis.ResponseError):
+                log.warning("job %s: not handed back (%s); claimable later", job.job_id, reply)

@@ -77,7 +77,11 @@ class Publisher:
         if not writing and not finishing and not extras:
             return result
         if not self._loaded:
-            self.fence.load(self.redis)
+            try:
+                self.fence.load(self.redis)
+            except redis.ResponseError as exc:  # e.g. NOPERM: keep everything, back off
+                result.refused = f"loading the append script: {exc}"
+                return result
             self._loaded = True
         pipe = self.redis.pipeline(transaction=False)
         for job in writing:
@@ -147,7 +151,8 @@ class Publisher:
             return
         if replies[-1] == 0:
             log.error(
-                "job %s: queue entry %s was no longer pending (lost by Redis?); job finished",
+                "job %s: queue entry %s was not pending (acked by an attempt whose reply "
+                "was lost, or lost by Redis); job finished",
                 job.job_id,
                 job.delivery.entry_id,
             )
