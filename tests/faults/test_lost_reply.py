@@ -18,8 +18,13 @@ def test_entries_read_for_the_daemon_but_never_seen_are_picked_up(
     redis_server: RedisServer,
 ) -> None:
     client = redis_server.client()
-    jobs = fake_jobs(4, prefix="stray")
-    with worker_thread(fast_settings(redis_server.url), FakeGenerator) as worker:
+    settings = fast_settings(redis_server.url, intake_buffer=0)
+    settings.engine.max_num_seqs = 1
+    busy = {"id": "busy", "prompt_token_ids": [3, 4], "max_tokens": 30}
+    jobs = fake_jobs(3, prefix="stray")
+    with worker_thread(settings, lambda: FakeGenerator(step_delay_s=0.01)) as worker:
+        enqueue(client, KEYS, busy)
+        wait_until(lambda: "busy" in worker.jobs, what="the daemon is full")
         for job in jobs:
             enqueue(client, KEYS, job)
         # The daemon's own XREADGROUP whose reply never arrived: same command, same name.
