@@ -30,12 +30,13 @@ from daemon.fleet.housekeeping import trim_acked
 from daemon.fleet.recovery import Recovery
 from daemon.ops.observer import Ops
 from daemon.worker import crashpoint
+from daemon.worker.acks import Acks
 from daemon.worker.control import Cancellations
 from daemon.worker.generator import Generator, JobRejected, JobStart, StepView, TokenOut
 from daemon.worker.intake import Intake
 from daemon.worker.jobs import Delivery, Job
 from daemon.worker.metrics import Meter
-from daemon.worker.pickup import Pickup, PickupPolicy
+from daemon.worker.pickup import PickupPolicy
 from daemon.worker.publisher import Piggyback, Publisher
 from daemon.worker.redis_io import REDIS_DOWN, Backoff, connect, refuse_cluster
 from producers.keys import CONSUMER_GROUP, Keys
@@ -107,8 +108,7 @@ class Worker:
         self.stopping = False
         self.deadline = float("inf")
         self.next_claim = 0.0
-        # Entries whose XACK Redis refused or never answered: acked again until done.
-        self.unacked: list[Delivery] = []
+        self.acks = Acks(self.redis, self.keys, consumer=consumer)
         # The last claim failure logged: a failure that repeats every interval is logged once.
         self.claim_error: str | None = None
 
@@ -281,7 +281,7 @@ class Worker:
             return
         self.next_claim = now + opts.claim_interval_s
         try:
-            self._retry_acks()
+            self.acks.retry()
             for queue in self.queues:
                 self._admit(self.recovery.strays(queue, held=self._held_entries()))
                 self._admit(self.recovery.claim(queue, limit=self._room()))
@@ -328,7 +328,7 @@ class Worker:
             self.jobs[job.job_id] = job
             if not job.ended:
                 self._start(job)
-        self._ack(pickup)
+        self.acks.ack(pickup.acks)
 
     def _start(self, job: Job) -> None:
         assert job.request is not None
@@ -347,33 +347,11 @@ class Worker:
             if job.output_token_ids:
                 log.info("job %s resumed at seq %d", job.job_id, job.next_seq)
 
-    def _ack(self, pickup: Pickup) -> None:
-        self.unacked += pickup.acks
-        self._retry_acks()
-
-    def _retry_acks(self) -> None:
-        """XACK every entry not yet acked; those Redis refuses stay for the next try."""
-        if not self.unacked:
-            return
-        todo, self.unacked = self.unacked, []
-        pipe = self.redis.pipeline(transaction=False)
-        for delivery in todo:
-            pipe.xack(self.keys.queue(delivery.queue), CONSUMER_GROUP, delivery.entry_id)
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except REDIS_DOWN:
-            self.unacked = todo + self.unacked
-            raise
-        for delivery, reply in zip(todo, replies, strict=True):
-            if isinstance(reply, redis.ResponseError):
-                log.warning("ack of entry %s refused: %s", delivery.entry_id, reply)
-                self.unacked.append(delivery)
-
     def _held_entries(self) -> set[str]:
         """Entry ids this daemon accounts for: its jobs, reads not yet picked up, acks due."""
         held = {job.delivery.entry_id for job in self.jobs.values()}
         held.update(d.entry_id for d in self.intake_reader.pending())
-        held.update(d.entry_id for d in self.unacked)
+        held.update(d.entry_id for d in self.acks.unacked)
         return held
 
     def _stalled(self, silent_s: float) -> None:
@@ -455,32 +433,11 @@ class Worker:
                 if self.jobs:
                     for job in self.publisher.flush(self.jobs.values()).finished:
                         del self.jobs[job.job_id]
-            self._retry_acks()
-            self._hand_back(unfinished)
+            self.acks.retry()
+            self.acks.hand_back(unfinished, idle_ms=self.recovery.min_idle_ms)
         except REDIS_DOWN as exc:
             log.warning("could not store the last events (%s); they will be regenerated", exc)
         if unfinished:
             log.info("%d unfinished job(s) left pending for another daemon", len(unfinished))
         self.heartbeat.stop(remove=True)
         self.redis.close()
-
-    def _hand_back(self, jobs: list[Job]) -> None:
-        """Mark handed-back entries claimable at once, and uncount this delivery: a
-        graceful stop is not a crash, so it does not bring a job nearer to poison."""
-        if not jobs:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            pipe.xclaim(
-                self.keys.queue(job.delivery.queue),
-                CONSUMER_GROUP,
-                self.consumer,
-                0,
-                [job.delivery.entry_id],
-                idle=self.recovery.min_idle_ms,
-                retrycount=max(0, job.delivery.deliveries - 1),
-                justid=True,
-            )
-        for job, reply in zip(jobs, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(reply, redis.ResponseError):
-                log.warning("job %s: not handed back (%s); claimable later", job.job_id, reply)
