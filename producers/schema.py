@@ -327,6 +327,13 @@ class JobStatus(BaseModel):
     finish_reason: FinishReason | None = None
     completion_tokens: int | None = None
     cancel_requested: bool = False
+    submit_token: str | None = Field(
+        None, description="Random tag of the submit that created the job (a retry knows it)."
+    )
+    epoch: int | None = Field(
+        None, description="Pickup count fencing the job's writes: only the latest pickup writes."
+    )
+    owner: str | None = Field(None, description="Consumer name of the pickup holding ``epoch``.")
 
     @classmethod
     def from_hash(cls, data: dict[bytes, bytes] | dict[str, str]) -> JobStatus:
