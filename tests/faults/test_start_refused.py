@@ -16,7 +16,15 @@ from daemon.fleet.heartbeat import ConsumerTaken
 from daemon.worker.loop import Worker
 from daemon.worker.redis_io import ClusterUnsupported
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
-from support.daemon_harness import FakeGenerator, enqueue, fast_settings, wait_until, worker_thread
+from support.daemon_harness import (
+    DaemonProcess,
+    FakeGenerator,
+    daemon_config,
+    enqueue,
+    fast_settings,
+    wait_until,
+    worker_thread,
+)
 from support.redis_server import RedisServer, free_port
 
 
@@ -39,6 +47,18 @@ def test_second_daemon_with_the_same_consumer_name_refuses(redis_server: RedisSe
         for job in jobs:
             enqueue(client, KEYS, job)
         assert_all_done_once(client, jobs)
+
+
+def test_serve_exits_2_naming_the_holder(
+    redis_server: RedisServer, tmp_path: Path, tiny_model: Path
+) -> None:
+    config = daemon_config(tmp_path, redis_server.url)
+    with worker_thread(fast_settings(redis_server.url), FakeGenerator, consumer="held") as w:
+        twin = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log", consumer="held")
+        assert twin.wait(60) == 2
+        message = twin.log_tail()
+        assert "consumer 'held' is already served by" in message
+        assert f"pid {w.heartbeat.static['pid']}" in message
 
 
 def test_a_cluster_mode_server_is_refused_at_start(tmp_path: Path) -> None:
