@@ -79,9 +79,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         settings.queues,
         extra={"event": "daemon_starting", "consumer": consumer, "pid": os.getpid()},
     )
+    from daemon.fleet.heartbeat import ConsumerTaken
     from daemon.ops.observer import Ops
     from daemon.ops.prom import DaemonMetrics
-    from daemon.fleet.heartbeat import ConsumerTaken
     from daemon.worker.loop import Worker
     from daemon.worker.mlx_generator import MLXGenerator
     from daemon.worker.redis_io import ClusterUnsupported
