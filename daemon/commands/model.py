@@ -1,23 +1,36 @@
-"""``batchd make-model``: write a random-weight fixture model directory."""
+"""``batchd make-model``: write a model directory (preset, fixture or GGUF import)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from config import Settings
+from engine.models.registry import PACKAGED, PRESET_NAMES
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "make-model",
-        help="write a random-weight model (mlx-lm format, real BPE tokenizer)",
-        description="Write a random-weight model directory that mlx_lm.load() loads "
-        "like any downloaded model. Same seed, same bytes.",
+        help="write a model directory: a preset (random-weight or smollm2) or a GGUF import",
+        description="Write an mlx-lm model directory. Random-weight presets (tiny, "
+        "bench-small, bench-1b): same seed, same bytes. smollm2: the packaged "
+        "SmolLM2-135M-Instruct. --from-gguf FILE: convert a llama-family GGUF "
+        "(F32, F16, Q4_0, Q4_1, Q8_0 tensors; byte-level BPE tokenizer).",
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "bench-small", "bench-1b"])
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
+    source.add_argument("--from-gguf", metavar="FILE", help="a llama-family GGUF file")
+    p.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        default=None,
+        help="GGUF: keep quantized weights (default: only where MLX has a GPU; on CPU "
+        "float32 decodes 2-3x faster)",
+    )
     p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", type=int, metavar="BITS", choices=[4, 8], default=None)
@@ -26,12 +39,26 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
+        from engine.models.gguf_convert import convert_gguf
+        from engine.models.gguf_header import GGUFError
         from engine.models.model_fixture import FixtureSpec, make_model
+        from engine.models.registry import packaged_gguf
     except ImportError as exc:
         print(
             f"batchd make-model needs the daemon extra (pip install 'batchd[daemon]'): {exc}",
             file=sys.stderr,
         )
+        return 2
+    gguf = args.from_gguf
+    try:
+        if gguf is None and args.preset in PACKAGED:
+            gguf = packaged_gguf(args.preset)
+        if gguf is not None:
+            path = convert_gguf(gguf, Path(args.out_dir), keep_quantized=args.keep_quantized)
+            print(f"converted {gguf} to {path}")
+            return 0
+    except (OSError, GGUFError) as exc:
+        print(f"batchd make-model: {exc}", file=sys.stderr)
         return 2
     spec = FixtureSpec(
         preset=args.preset, arch=args.arch, seed=args.seed, quantize_bits=args.quantize

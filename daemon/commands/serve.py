@@ -27,7 +27,12 @@ def register(sub: Any) -> None:
         "publish every token. SIGTERM/SIGINT: stop taking jobs, let running ones finish "
         "within daemon.grace_period_s, leave the rest pending; a second signal stops at once.",
     )
-    p.add_argument("--model", metavar="PATH_OR_HUB_ID", help="model to serve (default: model)")
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="model to serve: an mlx-lm directory, a hub id, a .gguf file (converted once "
+        "into .batchd/models/gguf) or a preset (smollm2, tiny, ...) (default: model)",
+    )
     p.add_argument(
         "--queue",
         action="append",
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from daemon.worker.loop import Worker
     from daemon.worker.mlx_generator import MLXGenerator
     from daemon.worker.redis_io import ClusterUnsupported
+    from engine.models.registry import resolve_model
 
     metrics = None
     if settings.daemon.metrics_port is not None:
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
     began = time.monotonic()
     try:
-        generator = MLXGenerator.from_pretrained(settings.model, settings.engine)
+        model = resolve_model(settings.model)
+        generator = MLXGenerator.from_pretrained(model, settings.engine)
     except (OSError, ValueError) as exc:
         print(f"batchd serve: cannot load model {settings.model!r}: {exc}", file=sys.stderr)
         return 2

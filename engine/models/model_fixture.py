@@ -20,46 +20,8 @@ from typing import Any
 
 import numpy as np
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 256,
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "torch_dtype": "float32",
-    },
-    "bench-small": {
-        "hidden_size": 512,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "intermediate_size": 1408,
-        "vocab_size": 32000,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "float32",
-    },
-    "bench-1b": {
-        "hidden_size": 2048,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "intermediate_size": 8192,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "torch_dtype": "bfloat16",
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    },
-}
+from engine.models.registry import FIXTURE_PRESETS as PRESETS
+
 ARCHES = ("llama", "qwen3")
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
 BOS, EOS = "<s>", "<|im_end|>"

@@ -21,3 +21,13 @@ def tiny_q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "q4", FixtureSpec(quantize_bits=4))
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from its packaged GGUF (float32), once per session."""
+    from engine.models.gguf_convert import convert_gguf
+    from engine.models.registry import packaged_gguf
+
+    out = tmp_path_factory.mktemp("models") / "smollm2"
+    return convert_gguf(packaged_gguf("smollm2"), out, keep_quantized=False)
