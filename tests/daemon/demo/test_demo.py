@@ -15,7 +15,7 @@ def test_demo_streams_every_job_and_shows_steps(
 ) -> None:
     args = [sys.executable, "-m", "daemon.cli", "--redis-url", redis_server.url]
     args += ["--log-level", "WARNING", "demo", "--show-steps", "--step-ms", "0"]
-    args += ["--model-dir", str(tiny_model)]
+    args += ["--preset", "tiny", "--model-dir", str(tiny_model)]
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout

@@ -22,6 +22,7 @@ QUESTIONS = [
     ("What is the capital of France? Answer in one sentence.", "Paris"),
     ("What is 2+2?", "4"),
     ("What color is the sky on a clear day? Answer in one word.", "blue"),
+    ("What is the largest ocean on Earth?", "Pacific"),
 ]
 
 
