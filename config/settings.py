@@ -108,7 +108,9 @@ class Settings(BaseSettings):
         DEFAULT_REDIS_URL, description="Redis URL (redis://, rediss://, unix://)."
     )
     key_prefix: str = Field("batchd", min_length=1, description="Prefix of every Redis key.")
-    model: str | None = Field(None, description="Model served: local path or hub id.")
+    model: str | None = Field(
+        None, description="Model served: local path, hub id, .gguf file or preset (smollm2)."
+    )
     queues: list[str] = Field(default_factory=lambda: ["default"], min_length=1)
     result_ttl_s: int = Field(
         86400, ge=1, description="Seconds a finished job's events and status are kept."
