@@ -2,7 +2,8 @@
 
 On a terminal each job's line is redrawn in place (ANSI cursor moves); when
 stdout is a pipe or a file, or with ``--show-steps``, plain lines are
-printed instead: one per job whenever it got new tokens.
+printed instead: one per job every PLAIN_EVERY tokens and when it ends, so
+a log of the run stays readable.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from daemon.worker.generator import StepView
+
+PLAIN_EVERY = 16
 
 
 def _text_width() -> int:
@@ -71,7 +74,9 @@ class LiveView:
                 self._drawn = len(self.lines)
             else:
                 for line in self.lines.values():
-                    if (line.tokens, line.finish) != line.shown:
+                    shown_tokens, shown_finish = line.shown
+                    due = line.tokens >= shown_tokens + PLAIN_EVERY
+                    if due or line.finish != shown_finish:
                         self.out.write(line.render() + "\n")
                         line.shown = (line.tokens, line.finish)
             self.out.flush()

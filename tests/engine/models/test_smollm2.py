@@ -86,3 +86,17 @@ def test_special_tokens_are_single_ids(smollm2: LoadedModel) -> None:
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") == 1
     assert ids[-1] == tok.eos_token_id == 2
     assert 2 in tok.eos_token_ids
+
+
+@pytest.mark.slow
+def test_kept_quantized_weights_answer_too(tmp_path: Path) -> None:
+    """The --keep-quantized path: MLX affine triples (Q4_1 layers, Q8_0 embedding) as is."""
+    from engine.models.gguf_convert import convert_gguf
+    from engine.models.registry import packaged_gguf
+
+    path = convert_gguf(packaged_gguf("smollm2"), tmp_path / "q", keep_quantized=True)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"]["model.embed_tokens"]["bits"] == 8
+    assert config["quantization"]["model.layers.0.self_attn.q_proj"]["bits"] == 4
+    got = answers(load(path), [q for q, _ in QUESTIONS[:2]], max_tokens=12)
+    assert "Paris" in got[0] and "4" in got[1], got
