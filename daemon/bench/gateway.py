@@ -62,11 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model() -> Path:
-    if not (MODEL_DIR / "config.json").exists():
-        from engine.models.model_fixture import FixtureSpec, make_model
+    from engine.models.registry import ensure_preset
 
-        make_model(MODEL_DIR, FixtureSpec(preset="tiny"))
-    return MODEL_DIR.resolve()
+    return ensure_preset("tiny", path=MODEL_DIR).resolve()
 
 
 def _batchd(redis_url: str, tmp: str, name: str, *args: str) -> subprocess.Popen[bytes]:
