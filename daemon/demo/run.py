@@ -111,7 +111,15 @@ def _start_daemon(settings: Settings, pacer: _StepPacer) -> tuple[Worker, thread
             box["worker"] = Worker(settings, generator, consumer=consumer, on_step=pacer)
         finally:
             ready.set()
-        box["worker"].run()
+        try:
+            box["worker"].run()
+        finally:
+            # MLX streams must be destroyed by the thread that made them: left to process
+            # exit, their teardown sometimes aborts ("terminate called without an active
+            # exception", exit 134) after the demo has finished.
+            import mlx.core as mx
+
+            mx.clear_streams()
 
     thread = threading.Thread(target=main, name="batchd-engine", daemon=True)
     thread.start()
