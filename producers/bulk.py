@@ -25,11 +25,11 @@ from typing import IO, Any
 
 import orjson
 import redis
-from rq import Queue, Retry, SimpleWorker, Worker, get_current_job
+from rq import Retry, get_current_job
 from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from config import LimitSettings
+from producers.bulk_worker import RQ_QUEUE, rq_queue
 from producers.client import Client, follow
 from producers.errors import BulkBusy, JobFailed, ValidationError
 from producers.gateway.batch_lines import custom_id_of, is_openai_line, openai_job
@@ -37,7 +37,6 @@ from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from producers.result import ResultBuilder
 from producers.schema import Event, JobRequest, validate_job
 
-RQ_QUEUE = "batchd-bulk"
 PROGRESS_EVERY_S = 0.5
 # An rq worker killed mid-run leaves its job "started"; rq requeues it (abandoned
 # job) after the worker's heartbeat lapses, this many times.
@@ -277,10 +276,6 @@ class _Window:
         self.progress.report()
 
 
-def rq_queue(connection: redis.Redis, name: str = RQ_QUEUE) -> Queue:
-    return Queue(name, connection=connection, serializer=JSONSerializer)
-
-
 def enqueue_bulk(
     connection: redis.Redis,
     *,
@@ -314,18 +309,3 @@ def enqueue_bulk(
         description=f"batchd bulk {source} -> {target}",
         meta={"progress": {"total": None, "done": 0}},
     )
-
-
-def bulk_worker(
-    connection: redis.Redis, *, rq_queue_name: str = RQ_QUEUE, burst: bool, fork: bool = True
-) -> bool:
-    """Run an rq worker (JSON serializer) on the bulk queue; True if it ran a job.
-
-    rq's default worker runs each job in a forked work horse in its own session:
-    killing only the worker leaves the horse running (and holding OUT's lock).
-    ``fork=False`` runs jobs in the worker process itself (rq's SimpleWorker).
-    """
-    queue = rq_queue(connection, rq_queue_name)
-    kind = Worker if fork else SimpleWorker
-    worker = kind([queue], connection=connection, serializer=JSONSerializer)
-    return worker.work(burst=burst)

@@ -12,7 +12,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from config import Settings
-from producers.bulk import RQ_QUEUE, bulk_worker, enqueue_bulk
+from producers.bulk import enqueue_bulk
+from producers.bulk_worker import RQ_QUEUE, bulk_worker
 from producers.errors import ValidationError
 
 ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}

@@ -23,7 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from producers.bulk import ABANDONED_RETRIES, rq_queue
+from producers.bulk import ABANDONED_RETRIES
+from producers.bulk_worker import rq_queue
 from producers.gateway.batch_lines import ENDPOINTS
 from producers.gateway.errors import APIError, invalid, not_found
 from producers.gateway.guard import Guard

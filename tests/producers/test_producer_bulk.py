@@ -19,7 +19,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from daemon.cli import main
-from producers.bulk import ResultFile, line_job_id, parse_line, rq_queue, run_bulk
+from producers.bulk import ResultFile, line_job_id, parse_line, run_bulk
+from producers.bulk_worker import rq_queue
 from producers.commands.bulk import follow_progress
 from producers.errors import BulkBusy, ValidationError
 from support.fake_daemon import FakeDaemon, expected_text

@@ -15,7 +15,8 @@ import pytest
 import redis
 from rq.registry import StartedJobRegistry
 
-from producers.bulk import bulk_worker, rq_queue, run_bulk
+from producers.bulk import run_bulk
+from producers.bulk_worker import bulk_worker, rq_queue
 from producers.gateway.options import GatewayOptions
 from support.daemon_harness import wait_until
 
