@@ -2,6 +2,7 @@
 
 from config.settings import (
     DEFAULT_REDIS_URL,
+    NAME_PATTERN,
     DaemonSettings,
     LimitSettings,
     Settings,
@@ -12,6 +13,7 @@ from config.settings import (
 
 __all__ = [
     "DEFAULT_REDIS_URL",
+    "NAME_PATTERN",
     "DaemonSettings",
     "LimitSettings",
     "Settings",

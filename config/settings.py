@@ -11,9 +11,16 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -21,9 +28,13 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from config.secrets import redact
 from engine.config import EngineConfig
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# Job ids and queue names become parts of Redis keys (``batchd:job:<id>:events``): no ``:``
+# (job ``X:events`` would collide with job X's events stream), no spaces or glob characters.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 CONFIG_ENV_VAR = "BATCHD_CONFIG"
 
 
@@ -111,7 +122,11 @@ class Settings(BaseSettings):
     model: str | None = Field(
         None, description="Model served: local path, hub id, .gguf file or preset (smollm2)."
     )
-    queues: list[str] = Field(default_factory=lambda: ["default"], min_length=1)
+    queues: list[Annotated[str, StringConstraints(pattern=NAME_PATTERN)]] = Field(
+        default_factory=lambda: ["default"],
+        min_length=1,
+        description="Queues (streams <prefix>:queue:<name>) the daemon consumes.",
+    )
     result_ttl_s: int = Field(
         86400, ge=1, description="Seconds a finished job's events and status are kept."
     )
@@ -190,7 +205,7 @@ def _describe(exc: ValidationError, config_file: Path | None) -> str:
         option = ".".join(str(part) for part in err["loc"])
         env_name = "BATCHD_" + "__".join(str(p).upper() for p in err["loc"])
         value = err.get("input")
-        lines.append(f"  {option} (env {env_name}) = {value!r}: {err['msg']}")
+        lines.append(f"  {option} (env {env_name}) = {redact(repr(value))}: {err['msg']}")
     if config_file is not None:
         lines.append(f"  (config file: {config_file})")
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from typing import Any
 from config import LimitSettings
 from producers.errors import JobNotFound, ValidationError
 from producers.follow import Follower
-from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name
 from producers.schema import JobRequest, JobState, JobStatus, new_job_id, now, validate_job
 
 # Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).
@@ -43,7 +43,7 @@ class ClientBase:
         missing_timeout_s: float = 10.0,
     ) -> None:
         self.keys = Keys(prefix)
-        self.queue = queue
+        self.queue = check_name("queue", queue)
         self.limits = limits
         self.block_ms = block_ms
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -87,7 +87,7 @@ class ClientBase:
         return validate_job(data, self.limits)
 
     def queue_name(self, queue: str | None) -> str:
-        return self.queue if queue is None else queue
+        return self.queue if queue is None else check_name("queue", queue)
 
     def initial_status(self, queue: str) -> dict[Any, Any]:
         return JobStatus(state=JobState.queued, queue=queue, queued_at=now()).to_hash()

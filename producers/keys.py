@@ -18,7 +18,11 @@ batchd:dead                     stream      dead letters: ``id``, ``queue``, ``e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from config import NAME_PATTERN
+from producers.errors import ValidationError
 
 CONSUMER_GROUP = "batchd"
 DEFAULT_PREFIX = "batchd"
@@ -29,6 +33,27 @@ CANCEL_FIELD = "id"
 # Cancellation requests are hints (the status hash is the truth): trim the stream near this.
 CANCEL_MAXLEN = 10_000
 
+_NAME = re.compile(NAME_PATTERN)
+
+
+def is_name(value: object) -> bool:
+    """A valid job id or queue name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``, nothing after.
+
+    ``fullmatch``, not ``match``: Python's ``$`` also matches before a trailing newline.
+    """
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
+
+
+def check_name(kind: str, value: str) -> str:
+    """``value`` if it is a valid job id or queue name, else ValidationError naming ``kind``."""
+    if not is_name(value):
+        raise ValidationError(
+            kind,
+            "must be 1-128 of A-Z a-z 0-9 . _ - (starting with a letter or digit)",
+            value=value,
+        )
+    return value
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -36,17 +61,30 @@ class Keys:
 
     prefix: str = DEFAULT_PREFIX
 
+    # Every name a caller passes is checked here, so no id can reach into another job's
+    # keys (``X:events`` is job X's events stream) whoever builds the key.
+
     def queue(self, name: str = DEFAULT_QUEUE) -> str:
-        return f"{self.prefix}:queue:{name}"
+        return f"{self.prefix}:queue:{check_name('queue', name)}"
+
+    @property
+    def queue_prefix(self) -> str:
+        """What every queue stream's name starts with (the name follows)."""
+        return f"{self.prefix}:queue:"
 
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}"
+        return f"{self.prefix}:job:{check_name('id', job_id)}"
 
     def events(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}:events"
+        return f"{self.prefix}:job:{check_name('id', job_id)}:events"
 
     def tokens(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}:tokens"
+        return f"{self.prefix}:job:{check_name('id', job_id)}:tokens"
+
+    @property
+    def tokens_pattern(self) -> str:
+        """PSUBSCRIBE pattern of every job's token channel."""
+        return f"{self.prefix}:job:*:tokens"
 
     @property
     def cancel(self) -> str:

@@ -22,10 +22,11 @@ status hash turns terminal.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
@@ -33,14 +34,23 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic import ValidationError as PydanticValidationError
 
-from config import LimitSettings
+from config import NAME_PATTERN, LimitSettings
 from producers.errors import ValidationError
 
-JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$"
+JOB_ID_PATTERN = NAME_PATTERN
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1
+PRIORITY_BOUND = 1_000_000_000
+MAX_METADATA_BYTES = 16_384
+MAX_METADATA_DEPTH = 32
+
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+StopString = Annotated[str, Field(max_length=1024)]
 
 
 class JobState(str, Enum):
@@ -83,8 +93,8 @@ class _Strict(BaseModel):
 
 class _StrictTypes(BaseModel):
     # Producers in other languages must send the right JSON types: no "10" for 10,
-    # no true for 1.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # no true for 1; and no NaN or Infinity, which no later step could encode or compare.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Message(_StrictTypes):
@@ -109,31 +119,57 @@ class JobRequest(_StrictTypes):
     messages: list[Message] | None = Field(
         None, min_length=1, description="Chat messages; the model's chat template is applied."
     )
-    prompt_token_ids: list[int] | None = Field(
+    prompt_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="Prompt as token ids of the model's tokenizer."
     )
-    max_tokens: int = Field(256, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(0.0, ge=0.0, description="0 is greedy.")
+    max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    top_k: int = Field(0, ge=0, le=TOKEN_ID_MAX, description="0 disables top-k.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     seed: int | None = Field(
-        None, ge=0, description="Makes sampling reproducible, also across daemon restarts."
+        None,
+        ge=0,
+        le=INT64_MAX,
+        description="Makes sampling reproducible, also across daemon restarts.",
     )
-    stop: list[str] = Field(
+    stop: list[StopString] = Field(
         default_factory=list, max_length=16, description="Stop strings (not emitted)."
     )
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     logprobs: int = Field(0, ge=0, le=20, description="Top-N logprobs per token (0: only none).")
-    priority: int = Field(0, description="Higher runs first; waiting jobs age upwards.")
+    priority: int = Field(
+        0,
+        ge=-PRIORITY_BOUND,
+        le=PRIORITY_BOUND,
+        description="Higher runs first; waiting jobs age upwards.",
+    )
     ttl_s: float | None = Field(
-        None, gt=0, description="Expire the job if not started this many seconds after enqueue."
+        None,
+        gt=0,
+        le=1e9,
+        description="Expire the job if not started this many seconds after enqueue.",
     )
     metadata: dict[str, Any] = Field(
-        default_factory=dict, description="Free-form, echoed back in the final event."
+        default_factory=dict,
+        description=f"Free-form JSON echoed back in the final event: at most "
+        f"{MAX_METADATA_BYTES} bytes encoded, {MAX_METADATA_DEPTH} levels deep, integers "
+        "within 64 bits, finite numbers.",
     )
+
+    @field_validator("metadata")
+    @classmethod
+    def _encodable_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_json_value(value, depth=1)
+        try:
+            size = len(orjson.dumps(value))
+        except orjson.JSONEncodeError as exc:
+            raise ValueError(f"cannot be encoded: {exc}") from None
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"{size} bytes encoded exceed the limit {MAX_METADATA_BYTES}")
+        return value
 
     @model_validator(mode="after")
     def _one_prompt_within_limits(self, info: ValidationInfo) -> JobRequest:
@@ -177,6 +213,29 @@ class JobRequest(_StrictTypes):
                 "logprobs",
             }
         )
+
+
+def _check_json_value(value: Any, *, depth: int) -> None:
+    """Refuse what the final event could not carry: NaN/Infinity, integers beyond 64
+    bits (orjson and most JSON readers cannot), nesting deeper than the limit."""
+    if depth > MAX_METADATA_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_METADATA_DEPTH} levels")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value <= 2**64 - 1:
+            raise ValueError(f"integer {value} is outside the 64-bit range")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"number {value} is not finite")
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_json_value(item, depth=depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_json_value(item, depth=depth + 1)
+    else:
+        raise ValueError(f"{type(value).__name__} is not a JSON value")
 
 
 class _FieldError(ValueError):
@@ -401,19 +460,20 @@ def protocol_schema() -> dict[str, Any]:
         "title": "batchd wire protocol",
         "description": (__doc__ or "").strip(),
         "keys": {
-            "queue": keys.Keys().queue("<queue>"),
+            "queue": _shown(keys.Keys().queue("QUEUE")),
             "consumer_group": keys.CONSUMER_GROUP,
             "job_field": keys.JOB_FIELD,
-            "status": keys.Keys().job("<id>"),
-            "events": keys.Keys().events("<id>"),
+            "status": _shown(keys.Keys().job("ID")),
+            "events": _shown(keys.Keys().events("ID")),
             "event_field": keys.EVENT_FIELD,
             "event_id": "0-<seq+1>",
-            "tokens_channel": keys.Keys().tokens("<id>"),
+            "tokens_channel": _shown(keys.Keys().tokens("ID")),
             "cancel": keys.Keys().cancel,
             "cancel_field": keys.CANCEL_FIELD,
             "cancel_maxlen": keys.CANCEL_MAXLEN,
             "heartbeat": keys.Keys().daemon("<consumer>"),
             "dead_letters": keys.Keys().dead,
+            "name_pattern": NAME_PATTERN,
         },
         "$defs": {
             "JobRequest": JobRequest.model_json_schema(),
@@ -422,3 +482,8 @@ def protocol_schema() -> dict[str, Any]:
             "DaemonHeartbeat": DaemonHeartbeat.model_json_schema(),
         },
     }
+
+
+def _shown(key: str) -> str:
+    """A key name as the schema documents it, placeholders in angle brackets."""
+    return key.replace("QUEUE", "<queue>").replace("ID", "<id>")

@@ -11,24 +11,18 @@ Credentials in URLs (``redis://user:secret@host``) are masked in both formats.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from datetime import datetime, timezone
 from typing import IO, Any
 
 import orjson
 
+from config.secrets import redact
+
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# user:password@ in any scheme://...: the password part is replaced.
-_URL_SECRET = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
 # Attributes every LogRecord has: whatever else a record carries came from ``extra=``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-
-
-def redact(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@`` replaced by ``***``."""
-    return _URL_SECRET.sub(r"\1***@", text)
 
 
 class RedactingFormatter(logging.Formatter):

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import redis
 
-from producers.keys import CONSUMER_GROUP, Keys
+from producers.keys import CONSUMER_GROUP, Keys, is_name
 
 # Keys asked for per SCAN call: small steps keep each call short on a busy Redis.
 SCAN_COUNT = 500
@@ -80,7 +80,7 @@ def take_snapshot(
     """Daemons and queues as Redis holds them now (two SCANs, two pipelines)."""
     daemons = _daemons(client, keys, now=clock())
     named = {str(q) for d in daemons for q in d.heartbeat.get("queues") or []}
-    names = sorted(named | set(_queue_names(client, keys)))
+    names = sorted(n for n in named | set(_queue_names(client, keys)) if is_name(n))
     alive = {d.consumer for d in daemons}
     return Snapshot(clock(), daemons, _queues(client, keys, names, alive=alive))
 
@@ -114,9 +114,9 @@ def _json_object(value: bytes | None) -> dict[str, Any] | None:
 
 
 def _queue_names(client: redis.Redis, keys: Keys) -> list[str]:
-    prefix = keys.queue("")
-    found = client.scan_iter(match=keys.queue("*"), count=SCAN_COUNT, _type="STREAM")
-    return [key.decode().removeprefix(prefix) for key in found]
+    prefix = keys.queue_prefix
+    found = client.scan_iter(match=prefix + "*", count=SCAN_COUNT, _type="STREAM")
+    return [key.decode(errors="replace").removeprefix(prefix) for key in found]
 
 
 def _queues(

@@ -36,6 +36,7 @@ from typing import Any
 
 import redis
 
+from config.secrets import redact
 from daemon.bench.engine_system import bench_engine_config
 from daemon.bench.progress import Progress
 from daemon.bench.stats import Recorder, RunStats
@@ -67,7 +68,7 @@ def daemon_unavailable(redis_url: str) -> str | None:
         with redis.Redis.from_url(redis_url, socket_connect_timeout=2) as conn:
             conn.ping()
     except redis.RedisError as exc:
-        return f"not available: no Redis at {redis_url} ({exc})"
+        return f"not available: no Redis at {redact(redis_url)} ({exc})"
     return None
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from config import Settings
+from config.secrets import redact
 from daemon.demo.find_redis import find_redis
 from daemon.demo.jobs import CHAT_JOBS, FILLER_JOBS, DemoJob
 from daemon.demo.view import JobLine, LiveView, step_line, summary, transcript
@@ -164,7 +165,7 @@ def run_demo(
     model_dir: Path | None = None,
 ) -> int:
     found = find_redis(settings.redis_url)
-    print(f"batchd demo: Redis: {found.kind} at {found.url}", flush=True)
+    print(f"batchd demo: Redis: {found.kind} at {redact(found.url)}", flush=True)
     try:
         served = ensure_model(preset=preset, model=model, model_dir=model_dir)
         scoped = demo_settings(settings, redis_url=found.url, model=served.path)

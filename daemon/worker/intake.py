@@ -29,7 +29,7 @@ class Intake:
     def __init__(self, keys: Keys, queues: list[str], *, consumer: str) -> None:
         self.consumer = consumer
         self.streams: dict[Any, Any] = {keys.queue(q): ">" for q in queues}
-        self.stream_prefix = keys.queue("")
+        self.stream_prefix = keys.queue_prefix
         # How many entries the next piggybacked read may take (set before each flush).
         self.count = 0
         self.failure: redis.ResponseError | None = None

@@ -24,9 +24,8 @@ from config import LimitSettings
 from daemon.worker.generator import JobRejected
 from daemon.worker.jobs import Delivery, Job
 from producers.errors import ValidationError
-from producers.keys import EVENT_FIELD, JOB_FIELD, Keys
+from producers.keys import EVENT_FIELD, JOB_FIELD, Keys, is_name
 from producers.schema import (
-    JOB_ID_PATTERN,
     Event,
     FinishReason,
     JobRequest,
@@ -37,7 +36,6 @@ from producers.schema import (
 
 log = logging.getLogger(__name__)
 
-_JOB_ID = re.compile(JOB_ID_PATTERN)
 _ID_FIELD = re.compile(r'"id"\s*:\s*"([^"\\]{1,128})"')
 
 Encode = Callable[[str, JobRequest], list[int]]
@@ -231,7 +229,7 @@ def _recover_id(payload: bytes | None) -> str | None:
     except orjson.JSONDecodeError:
         found = _ID_FIELD.search(payload[:4096].decode("utf-8", errors="replace"))
         value = found.group(1) if found else None
-    return value if isinstance(value, str) and _JOB_ID.match(value) else None
+    return value if is_name(value) else None
 
 
 def _status(job_id: str, raw: dict[bytes, bytes]) -> JobStatus | None:

@@ -16,6 +16,7 @@ import orjson
 import redis
 
 from config import Settings
+from config.secrets import redact
 from producers.client import Client
 from producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
 from producers.result import ResultBuilder
@@ -79,7 +80,7 @@ def _guarded(handler: Handler) -> Handler:
         except JobTimeout as exc:
             return _fail(str(exc), 4)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            return _fail(f"cannot reach Redis at {_safe_url(settings.redis_url)}: {exc}", 3)
+            return _fail(f"cannot reach Redis at {redact(settings.redis_url)}: {exc}", 3)
         except BatchdError as exc:
             return _fail(str(exc), 1)
 
@@ -89,13 +90,6 @@ def _guarded(handler: Handler) -> Handler:
 def _fail(message: str, code: int) -> int:
     print(f"batchd: {message}", file=sys.stderr)
     return code
-
-
-def _safe_url(url: str) -> str:
-    """The URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{creds.partition(':')[0] + ':***@' if at else ''}{host}"
 
 
 def _client(settings: Settings, queue: str | None = None) -> Client:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from support.daemon_harness import ENGINE_OPTS
+from support.daemon_harness import ENGINE_OPTS, Reference
 
 if TYPE_CHECKING:
     from engine import LLMEngine
-
-Reference = Callable[[list[dict[str, Any]]], dict[str, list[int]]]
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,8 @@ from producers.keys import EVENT_FIELD, JOB_FIELD, Keys, seq_of
 from producers.schema import Event, FinishReason, JobRequest, JobStatus
 
 ROOT = Path(__file__).resolve().parents[2]
+# Token ids an uninterrupted in-process run gives each job dict (the `reference` fixture).
+Reference = Callable[[list[dict[str, Any]]], dict[str, list[int]]]
 
 
 def fast_settings(redis_url: str, **daemon: Any) -> Settings:

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import Reference
 from test_serve import ChannelRecorder
 
 from producers.client import Client
@@ -22,6 +21,7 @@ from producers.keys import CONSUMER_GROUP, Keys
 from producers.schema import JobState
 from support.daemon_harness import (
     DaemonProcess,
+    Reference,
     daemon_config,
     mixed_jobs,
     status_of,

@@ -8,13 +8,13 @@ from typing import Any
 
 import orjson
 import redis
-from conftest import Reference
 
 from producers.client import Client
 from producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
 from producers.schema import Event, FinishReason, JobState
 from support.daemon_harness import (
     DaemonProcess,
+    Reference,
     daemon_config,
     enqueue,
     mixed_jobs,
@@ -33,7 +33,7 @@ class ChannelRecorder:
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
         self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.psubscribe(KEYS.tokens("*"))
+        self.pubsub.psubscribe(KEYS.tokens_pattern)
         self.seqs: dict[str, list[int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
