@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -33,7 +34,9 @@ class RedisServer:
     Raises RuntimeError when no redis-server is on PATH.
     """
 
-    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, appendonly: bool = False, extra_args: Sequence[str] = ()
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -43,6 +46,8 @@ class RedisServer:
         self.binary = binary
         self.directory = directory
         self.appendonly = appendonly
+        # More redis-server options (TLS, ACL files), after the defaults so they win.
+        self.extra_args = list(extra_args)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -77,6 +82,7 @@ class RedisServer:
             "always" if self.appendonly else "everysec",
             "--logfile",
             str(self.log_path),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
