@@ -77,7 +77,8 @@ def input_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 class ResultFile:
-    """OUT, locked for appending; ``done`` holds the line numbers it already has."""
+    """OUT, locked for appending; ``done`` holds the line numbers it already has, ``ids``
+    the line each job id it names was given to."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -92,7 +93,9 @@ class ResultFile:
         whole = data.rfind(b"\n") + 1
         if whole < len(data):  # a line torn by a crash: it is redone
             self.file.truncate(whole)
-        self.done = {int(orjson.loads(raw)["line"]) for raw in data[:whole].splitlines() if raw}
+        records = [orjson.loads(raw) for raw in data[:whole].splitlines() if raw]
+        self.done = {int(record["line"]) for record in records}
+        self.ids = {str(r["id"]): int(r["line"]) for r in records if r.get("id") is not None}
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(orjson.dumps(record) + b"\n")
@@ -219,6 +222,8 @@ class _Window:
         self.stop = stop
         self.stopped = False
         self.follower = client.follower()
+        # Each explicit id runs for one line only: a repeat would silently share its result.
+        self.line_of: dict[str, int] = dict(out.ids)
         self.in_flight: dict[str, tuple[int, ResultBuilder, dict[str, Any]]] = {}
 
     def should_stop(self) -> bool:
@@ -242,6 +247,10 @@ class _Window:
             job, echo = parse_line(
                 line, input_path=self.source, line_no=line_no, limits=self.client.limits
             )
+            assert job.id is not None
+            first = self.line_of.setdefault(job.id, line_no)
+            if first != line_no:
+                raise ValidationError("id", f"repeats the id of line {first}", value=job.id)
             handle = self.client.submit_request(job, idempotent=True)
         except ValidationError as exc:
             record = {"line": line_no, **custom_id_of(line), "error": str(exc), "field": exc.field}

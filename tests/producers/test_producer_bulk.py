@@ -171,3 +171,26 @@ def test_bulk_command_rejects_bad_input(
     assert main([*base, str(source), "--out", str(tmp_path / "o"), "--window", "0"]) == 2
     assert "window: must be at least 1" in capsys.readouterr().err
     assert redis.Redis.from_url(redis_server.url).llen("rq:queue:batchd-bulk") == 0
+
+
+def test_bulk_refuses_a_repeated_id(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Two lines naming the same id would share one result: the second is an error line,
+    also when the run resumes after the first was written."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        '{"id": "same", "prompt": "first", "max_tokens": 2}\n'
+        '{"id": "other", "prompt": "ok", "max_tokens": 2}\n'
+        '{"id": "same", "prompt": "second", "max_tokens": 2}\n'
+    )
+    out = tmp_path / "out.jsonl"
+    with FakeDaemon(redis_server.url):
+        run_bulk(input_path=str(source), output_path=str(out), connection=redis_server.client())
+        by_line = {r["line"]: r for r in read_output(out)}
+        assert by_line[1]["id"] == "same" and by_line[1]["text"] == "fi"
+        assert by_line[3]["error"] == "id: repeats the id of line 1"
+        assert by_line[3]["field"] == "id"
+        # A resumed run knows line 1's id from OUT.
+        kept = [r for r in read_output(out) if r["line"] != 3]
+        out.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in kept))
+        run_bulk(input_path=str(source), output_path=str(out), connection=redis_server.client())
+    assert {r["line"]: r for r in read_output(out)}[3]["error"] == "id: repeats the id of line 1"
