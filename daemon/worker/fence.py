@@ -26,10 +26,19 @@ from redis.client import Pipeline
 from daemon.worker.jobs import Job
 from producers.keys import EVENT_FIELD, Keys, event_id
 
+# The epoch of a rejected entry's job: written only if the job's keys do not exist yet.
+CREATE_ONLY = 0
+
 # KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel.
 # ARGV[1] owner, ARGV[2] epoch, ARGV[3] events the owner believes stored, ARGV[4] n,
 # then n (entry id, event JSON) pairs, then status field/value pairs.
 APPEND = f"""
+if ARGV[2] == '{CREATE_ONLY}' then
+  if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
+    return {{'lost'}}
+  end
+  ARGV[2] = '1'
+end
 local held = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0')
 local mine = tonumber(ARGV[2])
 if held > mine or (held == mine and redis.call('HGET', KEYS[2], 'owner') ~= ARGV[1]) then

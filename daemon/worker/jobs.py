@@ -65,6 +65,14 @@ class Job:
     # events stream holds as far as this daemon knows.
     epoch: int = 1
     stored_events: int = 0
+    # A rejected entry whose id names a job that exists: it writes nothing of that job's.
+    foreign: bool = False
+
+    @property
+    def key(self) -> str:
+        """Where the worker files this job: its id, or for an entry that may not touch the
+        job it names, the entry (several bad entries may name one id)."""
+        return f"entry:{self.delivery.entry_id}" if self.foreign else self.job_id
 
     @property
     def next_seq(self) -> int:
@@ -168,6 +176,19 @@ class Job:
         self.dead_letter = True
         self.set_status(queue=self.delivery.queue, entry=self.delivery.entry_id)
         self.end(FinishReason.error, error=error)
+
+    def leave_untouched(self) -> None:
+        """Only this entry's dead letter and ack are written, never the named job's keys: a
+        payload that did not parse cannot prove it is that job (it may be anyone's)."""
+        log.warning(
+            "job %s: entry %s did not parse and names a job that exists; that job is not "
+            "touched, the entry is dead-lettered",
+            self.job_id,
+            self.delivery.entry_id,
+        )
+        self.unpublished.clear()
+        self.status.clear()
+        self.foreign = True
 
     def resume_from(self, events: list[Event]) -> None:
         """Take the stored token events as already emitted (the checkpoint)."""

@@ -244,13 +244,13 @@ class Worker:
         if result.refused is None:
             self.backoff.succeeded()
         for job in result.finished:
-            del self.jobs[job.job_id]
+            del self.jobs[job.key]
             self.meter.finished(job)
             self.ops.finished(job)
         for job in result.lost:
             log.error("job %s: another daemon owns it now; dropped here", job.job_id)
             self._out_of_engine(job)
-            del self.jobs[job.job_id]
+            del self.jobs[job.key]
         for job in result.reconcile:
             # Redis lost writes (restart from an older snapshot, failover to a lagging
             # replica) or another daemon wrote: start over from what the stream holds.
@@ -261,7 +261,7 @@ class Worker:
                 job.stored_events,
             )
             self._out_of_engine(job)
-            del self.jobs[job.job_id]
+            del self.jobs[job.key]
             self.intake_reader.put_back([job.delivery])
         if result.refused is not None:
             # Keep everything, stop intake and back off until Redis takes writes again.
@@ -319,13 +319,15 @@ class Worker:
             held = self.jobs.get(job.job_id)
             if held is not None and held.delivery.entry_id == job.delivery.entry_id:
                 continue  # the same delivery read again (a retried start): already running
-            if held is not None:
+            if held is not None and job.request is None:
+                job.leave_untouched()  # a bad entry naming a job held here: dead letter only
+            elif held is not None:
                 log.warning(
                     "job %s is already held here; entry %s acked", job.job_id, job.delivery.entry_id
                 )
                 pickup.acks.append(job.delivery)
                 continue
-            self.jobs[job.job_id] = job
+            self.jobs[job.key] = job
             if not job.ended:
                 self._start(job)
         self.acks.ack(pickup.acks)
@@ -432,7 +434,7 @@ class Worker:
             for _ in range(2):
                 if self.jobs:
                     for job in self.publisher.flush(self.jobs.values()).finished:
-                        del self.jobs[job.job_id]
+                        del self.jobs[job.key]
             self.acks.retry()
             self.acks.hand_back(unfinished, idle_ms=self.recovery.min_idle_ms)
         except REDIS_DOWN as exc:

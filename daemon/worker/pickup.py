@@ -21,6 +21,7 @@ import orjson
 import redis
 
 from config import LimitSettings
+from daemon.worker.fence import CREATE_ONLY
 from daemon.worker.generator import JobRejected
 from daemon.worker.jobs import Delivery, Job
 from producers.errors import ValidationError
@@ -91,15 +92,17 @@ class PickupPolicy:
                 log.error("job %s: cannot read its keys (%s); acked, not run", job.job_id, reply)
                 out.acks.append(job.delivery)
                 return
+        if job.request is None:  # rejected by _parse: it owns no job
+            if raw_status or raw_events:
+                job.leave_untouched()
+            else:
+                job.epoch = CREATE_ONLY
+            out.ended.append(job)
+            return
         # This pickup's epoch fences off every earlier holder of the job (daemon.worker.fence).
         job.epoch = int(raw_status.get(b"epoch", b"0")) + 1
         job.stored_events = len(raw_events)
         if self._taken(job, raw_status, out):
-            return
-        if job.request is None:  # rejected by _parse
-            if raw_events:
-                _no_final_event(job)
-            out.ended.append(job)
             return
         status = _status(job.job_id, raw_status)
         try:

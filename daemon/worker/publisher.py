@@ -25,7 +25,7 @@ import redis
 from redis.client import Pipeline
 
 from daemon.worker import crashpoint
-from daemon.worker.fence import Fence, Outcome, Reply
+from daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
 from daemon.worker.jobs import Job
 from producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
 from producers.schema import Event
@@ -121,14 +121,19 @@ class Publisher:
                 approximate=True,
             )
             size += 1
-        for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
-            pipe.expire(key, self.result_ttl_s)
+        if not job.foreign:
+            for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
+                pipe.expire(key, self.result_ttl_s)
+            size += 2
         pipe.xack(self.keys.queue(job.delivery.queue), CONSUMER_GROUP, job.delivery.entry_id)
-        return size + 3
+        return size + 1
 
     def _settle(self, job: Job, reply: Reply, out: FlushResult) -> None:
         if reply.outcome is Outcome.lost:
-            out.lost.append(job)
+            if job.dead_letter and job.epoch == CREATE_ONLY:
+                job.leave_untouched()  # the named job appeared since pickup read its keys
+            else:
+                out.lost.append(job)
             return
         if reply.outcome is Outcome.tip:
             if not self._confirm_resent(job, reply.count):
