@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from config import NAME_PATTERN
 from producers.errors import ValidationError
@@ -36,7 +37,7 @@ CANCEL_MAXLEN = 10_000
 _NAME = re.compile(NAME_PATTERN)
 
 
-def is_name(value: object) -> bool:
+def is_name(value: object) -> TypeGuard[str]:
     """A valid job id or queue name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``, nothing after.
 
     ``fullmatch``, not ``match``: Python's ``$`` also matches before a trailing newline.

@@ -125,8 +125,11 @@ class Job:
         self.output_token_ids.append(token_id)
         self.text += text
 
-    def end(self, reason: FinishReason, *, error: str | None = None) -> None:
-        """Queue the final event and the terminal status; idempotent for a job already ended."""
+    def end(
+        self, reason: FinishReason, *, error: str | None = None, metadata: bool = True
+    ) -> None:
+        """Queue the final event and the terminal status; idempotent for a job already ended.
+        ``metadata=False`` leaves the request's metadata out of the final event."""
         if self.ended:
             return
         self.finish_reason = reason
@@ -143,7 +146,7 @@ class Job:
                 ),
                 timings=self.timings.model_copy(),
                 error=error,
-                metadata=self.request.metadata if self.request is not None else None,
+                metadata=self.request.metadata if self.request is not None and metadata else None,
             )
         )
         self.set_final_status(
@@ -177,6 +180,30 @@ class Job:
         self.set_status(queue=self.delivery.queue, entry=self.delivery.entry_id)
         self.end(FinishReason.error, error=error)
 
+    def fail(self, stage: str, exc: BaseException) -> None:
+        """End this job alone as failed (final error event, dead letter) after an error
+        while handling it, whatever it was: the daemon and its other jobs go on.
+
+        Events that cannot be encoded are cut from the outbox at the first one, so the
+        stream stays gap-free; the final event carries no metadata (it may be the cause).
+        """
+        error = f"internal error while {stage}: {type(exc).__name__}: {exc}"
+        log.error("job %s failed alone: %s", self.job_id, error, exc_info=exc)
+        if self.ended and not any(event.final for event in self.unpublished):
+            return  # its final event is stored already: the stream has its end
+        kept: list[Event] = []
+        for event in self.unpublished:
+            if event.final or not _encodable(event):
+                break
+            kept.append(event)
+        dropped = [e for e in self.unpublished[len(kept) :] if not e.final]
+        self.unpublished = kept
+        del self.output_token_ids[len(self.output_token_ids) - len(dropped) :]
+        self.text = self.text[: len(self.text) - sum(len(e.text) for e in dropped)]
+        self.finish_reason = None
+        self.dead_letter = True
+        self.end(FinishReason.error, error=error, metadata=False)
+
     def leave_untouched(self) -> None:
         """Only this entry's dead letter and ack are written, never the named job's keys: a
         payload that did not parse cannot prove it is that job (it may be anyone's)."""
@@ -201,3 +228,11 @@ class Job:
             self.output_token_ids.append(event.token_id)
             self.text += event.text
         self.stored_events = len(events)
+
+
+def _encodable(event: Event) -> bool:
+    try:
+        event.encode()
+    except Exception:  # whatever the encoder refuses (a lone surrogate, a huge integer)
+        return False
+    return True

@@ -214,14 +214,25 @@ class Worker:
         self.ops.stepped(view, outputs, time.monotonic() - began, self.jobs)
         crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
         for out in outputs:
-            job = self.jobs[out.job_id]
-            if out.token_id is not None:
-                job.add_token(
-                    out.token_id, out.text, logprob=out.logprob, top_logprobs=out.top_logprobs
-                )
-            if out.finish_reason is not None:
-                job.in_engine = False
-                job.end(out.finish_reason)
+            job = self.jobs.get(out.job_id)
+            if job is None:
+                log.error("engine output for job %s, which is not held here; dropped", out.job_id)
+                self._abort_quietly(out.job_id)
+                continue
+            if job.ended:  # failed alone while the engine still ran it
+                self._out_of_engine(job)
+                continue
+            try:
+                if out.token_id is not None:
+                    job.add_token(
+                        out.token_id, out.text, logprob=out.logprob, top_logprobs=out.top_logprobs
+                    )
+                if out.finish_reason is not None:
+                    job.in_engine = False
+                    job.end(out.finish_reason)
+            except Exception as exc:  # one job's failure is that job's alone
+                self._out_of_engine(job)
+                job.fail("taking its output", exc)
         if self.on_step is not None:
             self.on_step(view, outputs)
 
@@ -341,6 +352,10 @@ class Worker:
         except JobRejected as exc:
             job.reject(exc.reason)
             return
+        except Exception as exc:  # one job's failure is that job's alone
+            self._abort_quietly(job.job_id)
+            job.fail("admitting it", exc)
+            return
         if done is not None:
             job.end(done)
         else:
@@ -370,6 +385,14 @@ class Worker:
         self.heartbeat.remove()
         logging.shutdown()
         os._exit(EXIT_STALLED)
+
+    def _abort_quietly(self, job_id: str) -> None:
+        """Make sure the engine holds nothing of a job that failed half-way in; an engine
+        that never had it may refuse the abort."""
+        try:
+            self.gen.abort(job_id)
+        except Exception:
+            log.debug("abort of job %s refused by the engine", job_id, exc_info=True)
 
     def _out_of_engine(self, job: Job) -> None:
         """Abort the job in the engine if it is there (cancelled, lost, handed back)."""

@@ -75,14 +75,21 @@ class PickupPolicy:
         out = Pickup()
         if not deliveries:
             return out
-        jobs = [_parse(delivery, self.limits) for delivery in deliveries]
+        jobs = [_parse_alone(delivery, self.limits) for delivery in deliveries]
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.hgetall(self.keys.job(job.job_id))
             pipe.xrange(self.keys.events(job.job_id))
         replies = pipe.execute(raise_on_error=False)
         for i, job in enumerate(jobs):
-            self._decide(job, replies[2 * i], replies[2 * i + 1], out)
+            try:
+                self._decide(job, replies[2 * i], replies[2 * i + 1], out)
+            except Exception as exc:  # one job's failure is that job's alone
+                job.fail("picking it up", exc)
+                if job not in out.ended:
+                    out.ended.append(job)
+                if job in out.run:
+                    out.run.remove(job)
         return out
 
     def _decide(self, job: Job, raw_status: Any, raw_events: Any, out: Pickup) -> None:
@@ -201,10 +208,21 @@ class PickupPolicy:
         )
 
 
+def _parse_alone(delivery: Delivery, limits: LimitSettings) -> Job:
+    """:func:`_parse`, where even an unexpected error rejects this entry only."""
+    try:
+        return _parse(delivery, limits)
+    except Exception as exc:
+        job = Job(job_id=delivery.entry_id, delivery=delivery)
+        log.exception("entry %s: unexpected error while parsing it", delivery.entry_id)
+        job.reject(f"job: cannot be parsed: {type(exc).__name__}: {exc}")
+        return job
+
+
 def _parse(delivery: Delivery, limits: LimitSettings) -> Job:
     """A Job with its request, or an ended failed Job naming what is wrong."""
     payload = delivery.fields.get(JOB_FIELD.encode())
-    job_id = _recover_id(payload) or delivery.entry_id
+    job_id = _recover_id(payload, limits.max_message_bytes) or delivery.entry_id
     job = Job(job_id=job_id, delivery=delivery)
     if payload is None:
         fields = sorted(k.decode(errors="replace") for k in delivery.fields)
@@ -222,14 +240,19 @@ def _parse(delivery: Delivery, limits: LimitSettings) -> Job:
     return job
 
 
-def _recover_id(payload: bytes | None) -> str | None:
-    """The job id of a payload that may be broken (bad bytes, cut JSON), if it names one."""
+def _recover_id(payload: bytes | None, max_bytes: int) -> str | None:
+    """The job id of a payload that may be broken (bad bytes, cut JSON, too large), if it
+    names one. A payload over ``max_bytes`` is never parsed: only its start is searched."""
     if payload is None:
         return None
-    try:
-        data = orjson.loads(payload.decode("utf-8", errors="replace"))
-        value = data.get("id") if isinstance(data, dict) else None
-    except orjson.JSONDecodeError:
+    value: object = None
+    if len(payload) <= max_bytes:
+        try:
+            data = orjson.loads(payload.decode("utf-8", errors="replace"))
+            value = data.get("id") if isinstance(data, dict) else None
+        except orjson.JSONDecodeError:
+            value = None
+    if value is None:
         found = _ID_FIELD.search(payload[:4096].decode("utf-8", errors="replace"))
         value = found.group(1) if found else None
     return value if is_name(value) else None

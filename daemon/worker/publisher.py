@@ -85,7 +85,11 @@ class Publisher:
             self._loaded = True
         pipe = self.redis.pipeline(transaction=False)
         for job in writing:
-            self.fence.queue(pipe, job)
+            try:
+                self.fence.queue(pipe, job)
+            except Exception as exc:  # e.g. an event the encoder refuses: this job alone
+                job.fail("encoding its events", exc)
+                self.fence.queue(pipe, job)
         finish_sizes = [self._queue_finish(pipe, job) for job in finishing]
         for extra in extras:
             extra.queue(pipe)

@@ -1,0 +1,67 @@
+"""Two smaller promises: a resent write never republishes, and an oversized payload is
+refused before anything parses it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from config import LimitSettings
+from daemon.worker import pickup
+from daemon.worker.fence import Fence, Outcome, Reply
+from daemon.worker.jobs import Delivery, Job
+from producers.keys import JOB_FIELD, Keys
+from producers.schema import parse_job
+from support.redis_server import RedisServer
+
+KEYS = Keys()
+
+
+def test_a_resent_append_stores_and_publishes_nothing_again(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    pubsub = client.pubsub()
+    pubsub.subscribe(KEYS.tokens("j1"))
+    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    job = Job(job_id="j1", delivery=Delivery("default", "1-0", {}))
+    for token in (5, 6, 7):
+        job.add_token(token, f"{token} ")
+    fence = Fence(client, KEYS, owner="d1")
+    fence.load(client)
+
+    def append() -> Reply:
+        pipe = client.pipeline(transaction=False)
+        fence.queue(pipe, job)
+        return Reply.parse(pipe.execute(raise_on_error=False)[0])
+
+    assert append().outcome is Outcome.stored
+    # The same step sent again (its reply was lost): the stream already holds it.
+    assert append().outcome is Outcome.tip
+    time.sleep(0.2)
+    published = []
+    while (message := pubsub.get_message(timeout=0.2)) is not None:
+        published.append(orjson.loads(message["data"])["seq"])
+    assert published == [0, 1, 2]
+    assert client.xlen(KEYS.events("j1")) == 3
+
+
+def test_an_oversized_payload_is_never_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = LimitSettings(max_message_bytes=10_000)
+    parsed: list[int] = []
+    real = orjson.loads
+
+    def counting(data: Any) -> Any:
+        parsed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(pickup.orjson, "loads", counting)
+    head = b'{"id": "big", "prompt": "'
+    payload = head + b"x" * 1_000_000 + b'"}'
+    job = pickup._parse(Delivery("default", "1-0", {JOB_FIELD.encode(): payload}), limits)
+    assert job.job_id == "big"  # recovered from the payload's start only
+    assert job.error is not None and "exceeds the limit 10000" in job.error
+    assert all(size <= limits.max_message_bytes for size in parsed)
+    with pytest.raises(Exception, match="exceeds the limit"):
+        parse_job(payload, limits)
