@@ -125,9 +125,7 @@ class Job:
         self.output_token_ids.append(token_id)
         self.text += text
 
-    def end(
-        self, reason: FinishReason, *, error: str | None = None, metadata: bool = True
-    ) -> None:
+    def end(self, reason: FinishReason, *, error: str | None = None, metadata: bool = True) -> None:
         """Queue the final event and the terminal status; idempotent for a job already ended.
         ``metadata=False`` leaves the request's metadata out of the final event."""
         if self.ended:
