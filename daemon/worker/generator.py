@@ -51,6 +51,8 @@ class TokenOut:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: FinishReason | None = None
+    # Why the engine ended the job, when it ended it with FinishReason.error.
+    error: str | None = None
 
 
 @dataclass(frozen=True)

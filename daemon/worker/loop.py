@@ -229,7 +229,7 @@ class Worker:
                     )
                 if out.finish_reason is not None:
                     job.in_engine = False
-                    job.end(out.finish_reason)
+                    job.end(out.finish_reason, error=out.error)
             except Exception as exc:  # one job's failure is that job's alone
                 self._out_of_engine(job)
                 job.fail("taking its output", exc)

@@ -23,8 +23,8 @@ from producers.bulk import ResultFile, line_job_id, parse_line, run_bulk
 from producers.bulk_worker import rq_queue
 from producers.commands.bulk import follow_progress
 from producers.errors import BulkBusy, ValidationError
-from support.fake_daemon import FakeDaemon, expected_text
 from support.redis_server import RedisServer
+from support.text_daemon import expected_text, text_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_bulk_window_and_resume_after_worker_kill(
     source = write_input(tmp_path / "in.jsonl", 200, max_tokens=10)
     out = tmp_path / "out.jsonl"
     argv = ["--redis-url", redis_server.url, "bulk", str(source), "--out", str(out)]
-    with FakeDaemon(redis_server.url, token_delay_s=0.02, max_active=64) as daemon:
+    with text_daemon(redis_server.url, token_delay_s=0.02, max_active=64) as daemon:
         assert main([*argv, "--window", "16"]) == 0
         # No fork: SIGKILL takes the run down with the worker (a forked horse would
         # live on, holding the output's lock).
@@ -106,7 +106,7 @@ def test_bulk_bad_lines_and_failed_jobs(redis_server: RedisServer, tmp_path: Pat
         '{"prompt": "fine", "max_tokens": 2, "metadata": {"row": 6}}\n'
     )
     out = tmp_path / "out.jsonl"
-    with FakeDaemon(redis_server.url):
+    with text_daemon(redis_server.url):
         summary = run_bulk(
             input_path=str(source), output_path=str(out), window=2, connection=redis_server.client()
         )
@@ -132,7 +132,7 @@ def test_rq_worker_runs_bulk_and_progress_is_shown(
     assert job.kwargs["input_path"] == str(source) and job.timeout == -1
     stored = json.loads(zlib.decompress(conn.hget(job.key, "data") or b""))  # JSON, not pickle
     assert stored[0] == "producers.bulk.run_bulk" and stored[3]["window"] == 64
-    with FakeDaemon(redis_server.url):
+    with text_daemon(redis_server.url):
         SimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer).work(burst=True)
     bar = io.StringIO()
     assert follow_progress(conn, job_id, stream=bar, poll_s=0.01) is JobStatus.FINISHED
@@ -183,7 +183,7 @@ def test_bulk_refuses_a_repeated_id(redis_server: RedisServer, tmp_path: Path) -
         '{"id": "same", "prompt": "second", "max_tokens": 2}\n'
     )
     out = tmp_path / "out.jsonl"
-    with FakeDaemon(redis_server.url):
+    with text_daemon(redis_server.url):
         run_bulk(input_path=str(source), output_path=str(out), connection=redis_server.client())
         by_line = {r["line"]: r for r in read_output(out)}
         assert by_line[1]["id"] == "same" and by_line[1]["text"] == "fi"

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from daemon.cli import main
-from support.fake_daemon import FakeDaemon, expected_text
 from support.redis_server import RedisServer
+from support.text_daemon import expected_text, text_daemon
 
 
 def run(
@@ -36,7 +36,7 @@ def test_submit_prints_id_then_status_and_cancel(
 def test_submit_wait_and_stream(
     redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with FakeDaemon(redis_server.url, token_delay_s=0.002):
+    with text_daemon(redis_server.url, token_delay_s=0.002):
         code, out, _ = run(capsys, redis_server, "submit", "abc", "--max-tokens", "7", "--wait")
         assert (code, out) == (0, expected_text("abc", 7) + "\n")
         code, out, _ = run(
@@ -70,7 +70,7 @@ def test_errors_have_messages_and_exit_codes(
         assert code == 1 and "job ghost not found" in err
     code, _, err = run(capsys, redis_server, "submit", "x", "--wait", "--timeout", "0.2")
     assert code == 4 and "did not finish within 0.2s" in err
-    with FakeDaemon(redis_server.url):
+    with text_daemon(redis_server.url):
         code, out, err = run(capsys, redis_server, "submit", "!fail", "--stream")
     assert code == 1 and out == "!\n" and "ended with error: fake failure" in err
     redis_server.kill()

@@ -19,8 +19,8 @@ from producers.client import Client
 from producers.errors import JobFailed, JobTimeout, ValidationError
 from producers.keys import Keys
 from producers.schema import Event, FinishReason, JobState
-from support.fake_daemon import FakeDaemon, expected_text
 from support.redis_server import RedisServer
+from support.text_daemon import expected_text, text_daemon
 
 KEYS = Keys()
 
@@ -52,7 +52,7 @@ def test_listen_before_submit_and_subscribe_late(
     early: list[Event] = []
     listener = threading.Thread(target=lambda: early.extend(client.stream("j1", timeout=20)))
     listener.start()  # listening before the job exists: the id is ours
-    with FakeDaemon(redis_server.url, token_delay_s=0.01):
+    with text_daemon(redis_server.url, token_delay_s=0.01):
         handle = client.submit("abcdef", id="j1", max_tokens=40)
         wait_for_events(redis_client, "j1", 15)
         late = list(handle.stream(timeout=20))  # joins mid-generation
@@ -101,7 +101,7 @@ def test_reconnect_after_client_kill_mid_stream(
     client = Client(victim, block_ms=500)
     stop = threading.Event()
     killer = threading.Thread(target=kill_repeatedly, args=(redis_client, "victim", stop))
-    with FakeDaemon(redis_server.url, token_delay_s=0.02):
+    with text_daemon(redis_server.url, token_delay_s=0.02):
         handle = client.submit("xyz", max_tokens=60)
         events = handle.stream(timeout=30)
         seen = [next(events)]
@@ -125,7 +125,7 @@ def test_stream_survives_redis_restart(
     connection = redis.Redis.from_url(redis_server_aof.url, socket_timeout=5, **NO_RETRY)
     seen: list[Event] = []
     with Client(connection, block_ms=200) as client:
-        with FakeDaemon(redis_server_aof.url, token_delay_s=0.01):
+        with text_daemon(redis_server_aof.url, token_delay_s=0.01):
             handle = client.submit("restart", max_tokens=50)
             restarter = threading.Thread(target=restart)
             for event in handle.stream(timeout=30):
@@ -140,7 +140,7 @@ def test_stream_survives_redis_restart(
 def test_cancel_running_and_queued_jobs(redis_server: RedisServer, client: Client) -> None:
     queued = client.submit("never", max_tokens=5)
     assert queued.cancel() is True
-    with FakeDaemon(redis_server.url, token_delay_s=0.01) as daemon:
+    with text_daemon(redis_server.url, token_delay_s=0.01) as daemon:
         running = client.submit("long", max_tokens=1000)
         for event in running.stream(timeout=10):
             if event.seq == 3:
@@ -172,7 +172,7 @@ def test_result_timeout(client: Client) -> None:
 
 
 def test_failed_job_raises(redis_server: RedisServer, client: Client) -> None:
-    with FakeDaemon(redis_server.url):
+    with text_daemon(redis_server.url):
         handle = client.submit("!fail now", max_tokens=4)
         with pytest.raises(JobFailed, match="fake failure") as err:
             handle.result(timeout=10)
@@ -214,7 +214,7 @@ def test_async_client_live(redis_server: RedisServer) -> None:
                 await (await client.submit("late", max_tokens=2, queue="idle")).result(0.3)
             return events, result.text
 
-    with FakeDaemon(redis_server.url, token_delay_s=0.005):
+    with text_daemon(redis_server.url, token_delay_s=0.005):
         events, text = asyncio.run(scenario())
     assert_complete(events, "async", 20)
     assert text == expected_text("async", 20)
