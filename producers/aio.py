@@ -15,7 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from config import DEFAULT_REDIS_URL
-from producers.base import ClientBase
+from producers.base import ClientBase, HandleBase
 from producers.follow import (
     RECONNECT_ERRORS,
     Delivery,
@@ -131,16 +131,8 @@ class AsyncClient(ClientBase):
         raise AssertionError("a stream always ends with a final event")
 
 
-class AsyncJobHandle:
+class AsyncJobHandle(HandleBase["AsyncClient"]):
     """One submitted job, for asyncio code."""
-
-    def __init__(self, client: AsyncClient, job_id: str, queue: str) -> None:
-        self.client = client
-        self.id = job_id
-        self.queue = queue
-
-    def __repr__(self) -> str:
-        return f"AsyncJobHandle(id={self.id!r}, queue={self.queue!r})"
 
     def stream(self, *, after_seq: int = -1, timeout: float | None = None) -> AsyncIterator[Event]:
         return self.client.stream(self.id, after_seq=after_seq, timeout=timeout)

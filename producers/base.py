@@ -7,7 +7,7 @@ Everything here is free of I/O, so :mod:`producers.client` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from config import LimitSettings
 from producers.errors import JobNotFound, ValidationError
@@ -125,3 +125,18 @@ class ClientBase:
             timeout=timeout,
             missing_timeout_s=self.missing_timeout_s,
         )
+
+
+ClientT = TypeVar("ClientT")
+
+
+class HandleBase(Generic[ClientT]):
+    """What a job handle holds, sync or async: its client, id and queue."""
+
+    def __init__(self, client: ClientT, job_id: str, queue: str) -> None:
+        self.client = client
+        self.id = job_id
+        self.queue = queue
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, queue={self.queue!r})"

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from config import DEFAULT_REDIS_URL
-from producers.base import ClientBase
+from producers.base import ClientBase, HandleBase
 from producers.follow import (
     RECONNECT_ERRORS,
     Delivery,
@@ -151,16 +151,8 @@ class Client(ClientBase):
         raise AssertionError("a stream always ends with a final event")
 
 
-class JobHandle:
+class JobHandle(HandleBase["Client"]):
     """One submitted job."""
-
-    def __init__(self, client: Client, job_id: str, queue: str) -> None:
-        self.client = client
-        self.id = job_id
-        self.queue = queue
-
-    def __repr__(self) -> str:
-        return f"JobHandle(id={self.id!r}, queue={self.queue!r})"
 
     def stream(self, *, after_seq: int = -1, timeout: float | None = None) -> Iterator[Event]:
         """See :meth:`Client.stream`."""
