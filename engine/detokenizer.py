@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
     def _release(self, *, final: bool) -> str:
         decode = self._tokenizer.decode
         before = decode(self._ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        text = decode(self._ids[self._prefix :])
+        text: str = decode(self._ids[self._prefix :])
         if len(text) <= len(before) or (text.endswith(_INCOMPLETE) and not final):
             return ""
         self._prefix = self._read

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.exceptions import InvalidRequest
 from engine.forward.kv_pool import KVPool, size_pool
 from engine.forward.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load
@@ -115,18 +116,18 @@ class LLMEngine:
         a possible start of a stop string) comes with the next output, so the
         texts and tokens match an uninterrupted run. Returns None once queued, or
         the finish reason ("stop", "length") when those outputs already end the
-        request: then nothing is queued. Raises ValueError on bad input.
+        request: then nothing is queued. Raises InvalidRequest on bad input.
         """
         params = params or SamplingParams()
         if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already running")
+            raise InvalidRequest(f"request {request_id!r} is already running")
         ids = self.encode_prompt(
             request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages
         )
         resumed = [int(t) for t in resume_output_token_ids]
         self._check_ids(request_id, ids + resumed)
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room in "
                 f"max_model_len {self.max_model_len}"
             )
@@ -222,11 +223,11 @@ class LLMEngine:
         messages: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """A request's prompt as token ids: text encoded, chat messages through the model's
-        chat template, ids as given. Exactly one of the three; raises ValueError if the
+        chat template, ids as given. Exactly one of the three; raises InvalidRequest if the
         prompt is empty or the tokenizer refuses it."""
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
-            raise ValueError(
+            raise InvalidRequest(
                 f"request {request_id!r}: give exactly one of prompt, prompt_token_ids, "
                 f"messages (got {sum(given)})"
             )
@@ -241,13 +242,13 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt_token_ids or ()]
         if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise InvalidRequest(f"request {request_id!r}: the prompt is empty")
         return ids
 
     def _check_ids(self, request_id: str, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise ValueError(
+            raise InvalidRequest(
                 f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary "
                 f"[0, {self.spec.vocab_size})"
             )

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.exceptions import InvalidRequest
+
 MAX_LOGPROBS = 20
 
 
@@ -73,7 +75,7 @@ class SamplingParams:
         for field, (valid, rule) in _RULES.items():
             value = getattr(self, field)
             if not valid(value):
-                raise ValueError(f"SamplingParams.{field} must be {rule}, got {value!r}")
+                raise InvalidRequest(f"SamplingParams.{field} must be {rule}, got {value!r}")
         # Frozen dataclass: normalise through object.__setattr__ so the params
         # stay immutable and hashable.
         object.__setattr__(self, "stop", tuple(self.stop))

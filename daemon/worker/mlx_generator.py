@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.exceptions import InvalidRequest
 from engine.outputs import ChunkKind
 from producers.schema import FinishReason, JobRequest
 
@@ -44,7 +45,7 @@ class MLXGenerator:
                 priority=job.request.priority,
                 resume_output_token_ids=job.emitted,
             )
-        except ValueError as exc:
+        except InvalidRequest as exc:  # only the request's fault rejects it; bugs propagate
             raise JobRejected(job.job_id, str(exc)) from exc
         return None if finished is None else FinishReason(finished.value)
 

@@ -24,7 +24,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -227,7 +227,7 @@ class ModelRunner:
 
     def _forward(self, plan: _Plan) -> mx.array:
         streams = self._lane_streams()
-        x = self.model.model.embed_tokens(plan.tokens)
+        x: mx.array = self.model.model.embed_tokens(plan.tokens)
         n, real = x.shape[0], plan.slots.shape[0]  # rows with padding, rows of real tokens
         heads, kv_heads, dim = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         padding = mx.zeros((n - real, heads * dim), dtype=x.dtype) if n > real else None
@@ -274,16 +274,22 @@ class ModelRunner:
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
 
-    def _mlp(self, mlp: nn.Module, h: mx.array) -> mx.array:
+    def _mlp(self, mlp: Any, h: mx.array) -> mx.array:
+        out: mx.array
         if self._fast_math:
-            return mlp.down_proj(fast_math.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
-        return mlp(h)
+            out = mlp.down_proj(fast_math.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
+        else:
+            out = mlp(h)
+        return out
 
     def _logits(self, hidden: mx.array) -> mx.array:
         inner = self.model.model
         hidden = inner.norm(hidden)
+        logits: mx.array
         if self._tied_head is not None:
-            return hidden @ self._tied_head
-        if getattr(self.model.args, "tie_word_embeddings", False):
-            return inner.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+            logits = hidden @ self._tied_head
+        elif getattr(self.model.args, "tie_word_embeddings", False):
+            logits = inner.embed_tokens.as_linear(hidden)
+        else:
+            logits = self.model.lm_head(hidden)
+        return logits

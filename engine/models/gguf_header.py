@@ -12,6 +12,8 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from engine.exceptions import UnsupportedModelError
+
 # ggml_type ids (ggml.h), for messages.
 GGML_TYPES: dict[int, str] = {
     0: "F32",
@@ -52,7 +54,7 @@ _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _STRING, _ARRAY = 8, 9
 
 
-class GGUFError(ValueError):
+class GGUFError(UnsupportedModelError):
     """The file is not a GGUF batchd can convert; the message says why."""
 
 

@@ -17,15 +17,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.exceptions import UnsupportedModelError
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope classes whose offset may be an array of per-row positions.
 _PER_ROW_ROPES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one the paged runner implements."""
 
 
 @dataclass(frozen=True)

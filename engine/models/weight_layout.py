@@ -16,6 +16,8 @@ its own (vocab x hidden more memory).
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -23,7 +25,9 @@ import mlx.nn as nn
 def lay_out_for_cpu(model: nn.Module) -> mx.array | None:
     """Re-lay every float Linear weight of ``model`` in place; return the tied output
     projection as ``[hidden, vocab]`` (None when the model has its own ``lm_head``)."""
-    for _, module in model.named_modules():
+    # mlx.nn is untyped: its calls are taken as Any.
+    modules: Any = model.named_modules()  # type: ignore[no-untyped-call]
+    for _, module in modules:
         if type(module) is nn.Linear:
             module.weight = mx.contiguous(module.weight.T).T
     tied = None
@@ -31,5 +35,5 @@ def lay_out_for_cpu(model: nn.Module) -> mx.array | None:
         embed = model.model.embed_tokens
         if type(embed) is nn.Embedding:
             tied = mx.contiguous(embed.weight.T)
-    mx.eval(model.parameters(), tied if tied is not None else [])
+    mx.eval(model.parameters(), tied if tied is not None else [])  # type: ignore[no-untyped-call]
     return tied

@@ -37,15 +37,12 @@ import time
 from collections.abc import Callable, Mapping
 
 from engine.config import EngineConfig
+from engine.exceptions import RequestRejected
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.schedule import ScheduledChunk, SchedulerOutput, StepBuilder
 from engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["RequestRejected", "ScheduledChunk", "Scheduler", "SchedulerOutput"]
-
-
-class RequestRejected(ValueError):
-    """A request that can never run on this engine (too long for the model, pool or step)."""
 
 
 class Scheduler:

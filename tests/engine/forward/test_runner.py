@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 import engine  # noqa: F401  (OpenBLAS before MLX)
+from engine.exceptions import UnsupportedModelError
 from engine.forward import fast_math
 from engine.forward.kv_pool import KVPool, size_pool
 from engine.forward.model_runner import ROW_MULTIPLE, ModelRunner, padded_rows
 from engine.forward.paged_attention import group_decodes, split_for_lanes
-from engine.models.loader import LoadedModel, UnsupportedModelError, check_config, load
+from engine.models.loader import LoadedModel, check_config, load
 from engine.models.weight_layout import lay_out_for_cpu
 
 BLOCK = 16

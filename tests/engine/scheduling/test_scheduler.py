@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import FakeClock, expected_outputs, make_scheduler, sampled_for, seq, step
 
-from engine.scheduling.scheduler import RequestRejected, Scheduler
+from engine.exceptions import RequestRejected
+from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import FinishReason, SequenceStatus
 
 

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from scheduler_harness import FakeClock, expected_outputs, sampled_for
 
 from engine.config import EngineConfig
+from engine.exceptions import RequestRejected
 from engine.sampling_params import SamplingParams
 from engine.scheduling.schedule import SchedulerOutput
-from engine.scheduling.scheduler import RequestRejected, Scheduler
+from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 STOP_TOKEN = 7

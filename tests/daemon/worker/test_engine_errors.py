@@ -1,0 +1,56 @@
+"""Only a request's own fault rejects a job; an engine bug is the daemon's failure.
+
+On the real engine (tiny model): ids outside the vocabulary and bad sampling
+values are InvalidRequest and become JobRejected; any other error from the
+engine propagates (the worker then fails that job alone as an internal error,
+see tests/security/test_one_job_alone.py) instead of being blamed on the job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.worker.generator import JobRejected, JobStart
+from engine.exceptions import InvalidRequest, RequestRejected
+from producers.schema import validate_job
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model: Path) -> Any:
+    from daemon.worker.mlx_generator import MLXGenerator
+    from engine import EngineConfig
+
+    return MLXGenerator.from_pretrained(str(tiny_model), EngineConfig(max_model_len=64))
+
+
+def _start(job: dict[str, object]) -> JobStart:
+    request = validate_job({"id": "j", **job})
+    return JobStart("j", request, list(request.prompt_token_ids or [1]))
+
+
+def test_the_requests_fault_rejects_it(generator: Any) -> None:
+    with pytest.raises(JobRejected, match="outside the vocabulary"):
+        generator.start(_start({"prompt_token_ids": [1, 10**9]}))
+    with pytest.raises(JobRejected, match="max_model_len"):
+        generator.start(_start({"prompt_token_ids": list(range(1, 80))}))
+
+
+def test_an_engine_bug_is_not_blamed_on_the_job(
+    generator,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("index out of range in the block table")
+
+    monkeypatch.setattr(generator.engine, "add_request", broken)
+    with pytest.raises(ValueError, match="block table") as caught:
+        generator.start(_start({"prompt_token_ids": [1, 2, 3]}))
+    assert not isinstance(caught.value, JobRejected)
+
+
+def test_error_types() -> None:
+    assert issubclass(RequestRejected, InvalidRequest)
+    assert issubclass(InvalidRequest, ValueError)
