@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.worker.loop import EXIT_STALLED
 from producers.keys import Keys
 from support.daemon_harness import DaemonProcess, daemon_config, enqueue, wait_until
 from support.redis_server import RedisServer
@@ -134,6 +135,23 @@ def test_an_engine_that_dies_exits_non_zero(
         wait_until(
             lambda: "STATUS=failed: EngineFailure: test fault after step 3" in listener.statuses()
         )
+    finally:
+        daemon.kill()
+        client.close()
+
+
+def test_a_hung_engine_exits_by_itself_where_no_watchdog_watches(
+    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, listener: NotifyListener
+) -> None:
+    """Under launchd (or a bare shell) nobody sends SIGABRT: the stall rule exits non-zero."""
+    client = redis_server.client()
+    env = {"NOTIFY_SOCKET": str(listener.path), "BATCHD_TEST_ENGINE_FAULT": "hang:20"}
+    config = daemon_config(tmp_path, redis_server.url, stall_timeout_s=2.0)
+    daemon = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log", env=env)
+    try:
+        listener.first("READY=1", timeout=60)
+        enqueue(client, KEYS, {"id": "w", "prompt_token_ids": [5, 6, 7], "max_tokens": 100})
+        assert daemon.wait(60) == EXIT_STALLED, daemon.log_tail()
     finally:
         daemon.kill()
         client.close()
