@@ -27,8 +27,8 @@ from producers.follow import (
     read_reply,
 )
 from producers.result import JobResult, ResultBuilder
-from producers.schema import Event, JobRequest, JobStatus, encode_job
-from producers.transact import CANCEL, SUBMIT, CancelPlan, SubmitPlan
+from producers.schema import Event, JobRequest, JobStatus
+from producers.transact import CANCEL, SUBMIT, CancelPlan
 
 
 class AsyncClient(ClientBase):
@@ -84,17 +84,7 @@ class AsyncClient(ClientBase):
         idempotent: bool = False,
     ) -> AsyncJobHandle:
         """See :meth:`producers.client.Client.submit_request`."""
-        request = self.coerce_request(job)
-        job_id = request.id
-        assert job_id is not None
-        name = self.queue_name(queue)
-        plan = SubmitPlan.make(
-            self.keys,
-            job_id=job_id,
-            queue=name,
-            payload=encode_job(request),
-            status=self.initial_status(name),
-        )
+        job_id, name, plan = self.plan_submit(job, queue)
         reply = await self._submit(keys=plan.keys, args=plan.args)
         if not plan.enqueued(reply) and not idempotent:
             raise self.duplicate(job_id, plan.existing_state(reply))

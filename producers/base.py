@@ -13,7 +13,16 @@ from config import LimitSettings
 from producers.errors import JobNotFound, ValidationError
 from producers.follow import Follower
 from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name
-from producers.schema import JobRequest, JobState, JobStatus, new_job_id, now, validate_job
+from producers.schema import (
+    JobRequest,
+    JobState,
+    JobStatus,
+    encode_job,
+    new_job_id,
+    now,
+    validate_job,
+)
+from producers.transact import SubmitPlan
 
 # Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).
 SOCKET_TIMEOUT_MARGIN_S = 10.0
@@ -85,6 +94,23 @@ class ClientBase:
         if data["id"] is None:
             data["id"] = new_job_id()
         return validate_job(data, self.limits)
+
+    def plan_submit(
+        self, job: JobRequest | Mapping[str, Any], queue: str | None
+    ) -> tuple[str, str, SubmitPlan]:
+        """The job id, queue name and submit script call of a submit_request() call."""
+        request = self.coerce_request(job)
+        job_id = request.id
+        assert job_id is not None
+        name = self.queue_name(queue)
+        plan = SubmitPlan.make(
+            self.keys,
+            job_id=job_id,
+            queue=name,
+            payload=encode_job(request),
+            status=self.initial_status(name),
+        )
+        return job_id, name, plan
 
     def queue_name(self, queue: str | None) -> str:
         return self.queue if queue is None else check_name("queue", queue)
