@@ -5,6 +5,9 @@ JSON serializer no pickle runs, but anyone who can write to the rq queue could
 still name ``shutil.copyfile`` or ``os.system`` and have the worker call it as
 its user. This worker checks the name against an allow-list before rq imports
 anything, and fails a foreign job (status failed, reason logged) untouched.
+Callbacks (``on_success``, ``on_failure``, ``on_stopped``) are dotted paths read
+from the job's hash too, imported and called by rq: batchd sets none, so the
+worker runs none (:class:`NoCallbackJob`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,27 @@ ALLOWED_FUNCTIONS = frozenset(
         "producers.gateway.batch_run.run_batch",
     }
 )
+
+
+class NoCallbackJob(Job):
+    """An rq Job whose callbacks are never imported nor called (each one named is logged)."""
+
+    @property
+    def success_callback(self) -> None:
+        _refuse_callback(self, "on_success", self._success_callback_name)
+
+    @property
+    def failure_callback(self) -> None:
+        _refuse_callback(self, "on_failure", self._failure_callback_name)
+
+    @property
+    def stopped_callback(self) -> None:
+        _refuse_callback(self, "on_stopped", self._stopped_callback_name)
+
+
+def _refuse_callback(job: Job, kind: str, name: str | None) -> None:
+    if name:
+        log.error("rq job %s: %s callback %r refused: batchd runs no callback", job.id, kind, name)
 
 
 class _AllowListed:
@@ -73,6 +97,9 @@ def bulk_worker(
     """
     kind = BulkWorker if fork else BulkSimpleWorker
     worker = kind(
-        [rq_queue(connection, rq_queue_name)], connection=connection, serializer=JSONSerializer
+        [rq_queue(connection, rq_queue_name)],
+        connection=connection,
+        serializer=JSONSerializer,
+        job_class=NoCallbackJob,
     )
     return worker.work(burst=burst)

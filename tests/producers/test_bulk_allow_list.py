@@ -3,9 +3,11 @@ before rq imports it, and fails."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+from rq import Callback
 from rq.job import JobStatus
 
 from producers.bulk_worker import bulk_worker, rq_queue
@@ -29,3 +31,31 @@ def test_a_foreign_function_is_refused_and_never_runs(
     assert job.get_status() == JobStatus.FAILED
     result = job.latest_result()
     assert result is not None and "refused: 'shutil.copyfile'" in str(result.exc_string)
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["simple", "forking"])
+def test_callbacks_named_in_redis_are_never_imported(
+    redis_server: RedisServer, tmp_path: Path, fork: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    imported, called = tmp_path / "imported.txt", tmp_path / "called.txt"
+    (tmp_path / "evil_callback.py").write_text(
+        f"open({str(imported)!r}, 'w').write('x')\n"
+        f"def run(*args, **kwargs):\n    open({str(called)!r}, 'w').write('x')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    conn = redis_server.client()
+    evil = Callback("evil_callback.run")
+    job = rq_queue(conn).enqueue_call(
+        "producers.bulk.run_bulk",
+        kwargs={"input_path": str(tmp_path / "missing.jsonl"), "output_path": str(tmp_path / "o")},
+        on_success=evil,
+        on_failure=evil,
+        on_stopped=evil,
+    )
+
+    assert bulk_worker(conn, burst=True, fork=fork)
+
+    job.refresh()
+    assert job.get_status() == JobStatus.FAILED  # the allowed function ran, and failed
+    assert not imported.exists() and not called.exists()
+    assert "evil_callback" not in sys.modules
