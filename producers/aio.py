@@ -26,6 +26,7 @@ from producers.follow import (
     Step,
     read_reply,
 )
+from producers.keys import check_name
 from producers.result import JobResult, ResultBuilder
 from producers.schema import Event, JobRequest, JobStatus
 from producers.transact import CANCEL, SUBMIT, CancelPlan
@@ -91,7 +92,7 @@ class AsyncClient(ClientBase):
         return AsyncJobHandle(self, job_id, name)
 
     def handle(self, job_id: str, *, queue: str | None = None) -> AsyncJobHandle:
-        return AsyncJobHandle(self, job_id, self.queue_name(queue))
+        return AsyncJobHandle(self, check_name("id", job_id), self.queue_name(queue))
 
     async def status(self, job_id: str) -> JobStatus:
         return self.parse_status(job_id, await self.redis.hgetall(self.keys.job(job_id)))

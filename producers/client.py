@@ -27,6 +27,7 @@ from producers.follow import (
     Step,
     read_reply,
 )
+from producers.keys import check_name
 from producers.result import JobResult, ResultBuilder
 from producers.schema import Event, JobRequest, JobStatus
 from producers.transact import CANCEL, SUBMIT, CancelPlan
@@ -102,7 +103,7 @@ class Client(ClientBase):
 
     def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
         """A handle on a job submitted elsewhere (by id)."""
-        return JobHandle(self, job_id, self.queue_name(queue))
+        return JobHandle(self, check_name("id", job_id), self.queue_name(queue))
 
     def status(self, job_id: str) -> JobStatus:
         """The job's status hash; raises JobNotFound."""

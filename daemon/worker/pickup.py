@@ -233,6 +233,11 @@ def _parse(delivery: Delivery, limits: LimitSettings) -> Job:
     except ValidationError as exc:
         job.reject(str(exc))
         return job
+    except Exception as exc:
+        # A parser bug: the job still fails under its own id, so its client hears of it.
+        log.exception("entry %s: unexpected error while parsing it", delivery.entry_id)
+        job.reject(f"job: cannot be parsed: {type(exc).__name__}: {exc}")
+        return job
     job.request = request
     if request.id is None:
         # A raw producer that sent no id: the entry id names the job.
@@ -245,17 +250,17 @@ def _recover_id(payload: bytes | None, max_bytes: int) -> str | None:
     names one. A payload over ``max_bytes`` is never parsed: only its start is searched."""
     if payload is None:
         return None
-    value: object = None
     if len(payload) <= max_bytes:
         try:
             data = orjson.loads(payload.decode("utf-8", errors="replace"))
-            value = data.get("id") if isinstance(data, dict) else None
         except orjson.JSONDecodeError:
-            value = None
-    if value is None:
-        found = _ID_FIELD.search(payload[:4096].decode("utf-8", errors="replace"))
-        value = found.group(1) if found else None
-    return value if is_name(value) else None
+            pass
+        else:
+            # Parsed: only a top-level id counts (never one inside e.g. metadata).
+            value = data.get("id") if isinstance(data, dict) else None
+            return value if is_name(value) else None
+    found = _ID_FIELD.search(payload[:4096].decode("utf-8", errors="replace"))
+    return found.group(1) if found and is_name(found.group(1)) else None
 
 
 def _status(job_id: str, raw: dict[bytes, bytes]) -> JobStatus | None:

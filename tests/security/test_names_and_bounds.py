@@ -8,6 +8,7 @@ import pytest
 
 from config import SettingsError, load_settings
 from daemon.cli import main
+from producers.aio import AsyncClient
 from producers.client import Client
 from producers.errors import ValidationError
 from producers.keys import Keys, is_name
@@ -75,6 +76,10 @@ def test_clients_and_cli_refuse_bad_names(redis_server: RedisServer) -> None:
             client.submit("hi", job_id="victim:events")
         with pytest.raises(ValidationError, match="id"):
             client.status("victim:events")
+        with pytest.raises(ValidationError, match="id"):
+            client.handle("victim\n")  # refused at once, not at its first use
+    with pytest.raises(ValidationError, match="id"):
+        AsyncClient(redis_server.url).handle("a*")
         with pytest.raises(ValidationError, match="queue"):
             client.submit("hi", queue="a:b")
     with pytest.raises(ValidationError, match="queue"):

@@ -117,7 +117,7 @@ def test_a_job_raising_at_any_stage_fails_alone(
                 },
             )
         done = wait_final(
-            client, KEYS, [*good, "bad-admit", "bad-encode", "bad-output"], timeout=30
+            client, KEYS, [*good, "bad-parse", "bad-admit", "bad-encode", "bad-output"], timeout=30
         )
         wait_until(lambda: client.xlen(KEYS.dead) == len(bad), what="a dead letter each")
         wait_until(
@@ -127,14 +127,12 @@ def test_a_job_raising_at_any_stage_fails_alone(
     for i, (job_id, prompt) in enumerate(good.items()):
         assert token_ids(done[job_id]) == expected_fake_tokens(prompt, i, 5), job_id
     for stage, job in bad.items():
-        if stage == "parse":
-            continue  # its id was never read: the entry id names it (see the dead letter)
         events = done[job["id"]]
         assert [e.seq for e in events] == list(range(len(events)))
         final = events[-1]
         assert final.finish_reason is FinishReason.error, job["id"]
-        assert f"internal error while {stage}" in (final.error or ""), final.error
+        expected = "cannot be parsed" if stage == "parse" else f"internal error while {stage}"
+        assert expected in (final.error or ""), final.error
         assert sum(e.final for e in events) == 1
     dead = {f[b"id"].decode(): f[b"error"].decode() for _, f in client.xrange(KEYS.dead)}
-    parse_errors = [e for e in dead.values() if "cannot be parsed: RuntimeError" in e]
-    assert len(parse_errors) == 1, dead
+    assert "cannot be parsed: RuntimeError" in dead["bad-parse"], dead  # under its own id

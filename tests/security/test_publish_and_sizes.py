@@ -65,3 +65,19 @@ def test_an_oversized_payload_is_never_parsed(monkeypatch: pytest.MonkeyPatch) -
     assert all(size <= limits.max_message_bytes for size in parsed)
     with pytest.raises(Exception, match="exceeds the limit"):
         parse_job(payload, limits)
+
+
+@pytest.mark.parametrize(
+    ("payload", "job_id"),
+    [
+        (b'{"prompt": 5, "metadata": {"id": "someone"}}', "1-0"),  # not the job's id
+        (b'{"id": "mine", "prompt": 5}', "mine"),
+        (b'{"id": "mine\\n", "prompt": 5}', "1-0"),  # no trailing newline
+        (b'{"id": "cut", "prompt": "never closed', "cut"),  # broken JSON: its start is searched
+    ],
+)
+def test_a_rejected_payload_is_named_by_its_own_top_level_id_only(
+    payload: bytes, job_id: str
+) -> None:
+    job = pickup._parse(Delivery("default", "1-0", {JOB_FIELD.encode(): payload}), LimitSettings())
+    assert job.job_id == job_id and job.request is None
