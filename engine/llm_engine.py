@@ -231,16 +231,19 @@ class LLMEngine:
                 f"request {request_id!r}: give exactly one of prompt, prompt_token_ids, "
                 f"messages (got {sum(given)})"
             )
-        if prompt is not None:
-            ids = list(self.tokenizer.encode(prompt))
-        elif messages is not None:
-            ids = list(
-                self.tokenizer.apply_chat_template(
-                    list(messages), add_generation_prompt=True, tokenize=True
+        try:
+            if prompt is not None:
+                ids = list(self.tokenizer.encode(prompt))
+            elif messages is not None:
+                ids = list(
+                    self.tokenizer.apply_chat_template(
+                        list(messages), add_generation_prompt=True, tokenize=True
+                    )
                 )
-            )
-        else:
-            ids = [int(t) for t in prompt_token_ids or ()]
+            else:
+                ids = [int(t) for t in prompt_token_ids or ()]
+        except Exception as exc:  # the tokenizer or chat template refuses this input
+            raise InvalidRequest(f"request {request_id!r}: cannot tokenize: {exc}") from exc
         if not ids:
             raise InvalidRequest(f"request {request_id!r}: the prompt is empty")
         return ids

@@ -33,8 +33,8 @@ class MLXGenerator:
                 prompt_token_ids=request.prompt_token_ids,
                 messages=messages,
             )
-        except Exception as exc:  # a tokenizer/template error is the job's fault, not ours
-            raise JobRejected(job_id, f"prompt: cannot tokenize: {exc}") from exc
+        except InvalidRequest as exc:  # the tokenizer refused it, or it is empty; bugs propagate
+            raise JobRejected(job_id, f"prompt: {exc}") from exc
 
     def start(self, job: JobStart) -> FinishReason | None:
         try:

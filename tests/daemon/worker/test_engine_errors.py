@@ -51,6 +51,28 @@ def test_an_engine_bug_is_not_blamed_on_the_job(
     assert not isinstance(caught.value, JobRejected)
 
 
+def test_a_prompt_the_tokenizer_refuses_is_rejected_and_an_encode_bug_is_not(
+    generator,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    request = validate_job({"id": "j", "prompt": "hello"})
+
+    class Refusing:
+        def encode(self, text: str) -> list[int]:
+            raise ValueError("no chat template")
+
+    monkeypatch.setattr(generator.engine, "tokenizer", Refusing())
+    with pytest.raises(JobRejected, match="prompt: .*cannot tokenize: no chat template"):
+        generator.encode("j", request)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug in the engine")
+
+    monkeypatch.setattr(generator.engine, "encode_prompt", broken)
+    with pytest.raises(KeyError):
+        generator.encode("j", request)
+
+
 def test_error_types() -> None:
     assert issubclass(RequestRejected, InvalidRequest)
     assert issubclass(InvalidRequest, ValueError)
