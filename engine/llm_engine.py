@@ -116,11 +116,12 @@ class LLMEngine:
         a possible start of a stop string) comes with the next output, so the
         texts and tokens match an uninterrupted run. Returns None once queued, or
         the finish reason ("stop", "length") when those outputs already end the
-        request: then nothing is queued. Raises InvalidRequest on bad input.
+        request: then nothing is queued. Raises InvalidRequest on bad input, and
+        ValueError for an id already running (the caller's bookkeeping, not the request).
         """
         params = params or SamplingParams()
         if request_id in self._requests:
-            raise InvalidRequest(f"request {request_id!r} is already running")
+            raise ValueError(f"request {request_id!r} is already running")
         ids = self.encode_prompt(
             request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages
         )

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.exceptions import InvalidRequest
 from engine.models.loader import LoadedModel, load
 
 PROMPT = list(range(100, 160))
@@ -44,8 +45,9 @@ def _greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int
 def test_bad_requests_raise_clear_errors(loaded: LoadedModel) -> None:
     eng = _engine(loaded, max_model_len=64)
     eng.add_request("a", prompt_token_ids=[5, 6])
-    with pytest.raises(ValueError, match="already running"):
+    with pytest.raises(ValueError, match="already running") as caught:
         eng.add_request("a", prompt_token_ids=[5, 6])
+    assert not isinstance(caught.value, InvalidRequest)  # a caller's bug rejects no job
     with pytest.raises(ValueError, match="exactly one"):
         eng.add_request("b", prompt="x", prompt_token_ids=[1])
     with pytest.raises(ValueError, match="exactly one"):
