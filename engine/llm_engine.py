@@ -24,15 +24,17 @@ import mlx.core as mx
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.constraints import GrammarTokenizer
 from engine.exceptions import InvalidRequest
 from engine.forward.kv_pool import KVPool, size_pool
 from engine.forward.model_runner import ModelRunner
+from engine.logits_processors import PENALTY_CONTEXT
 from engine.models.loader import LoadedModel, load
 from engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
 from engine.request_state import RequestState
-from engine.sampler import REPETITION_CONTEXT, SampleRow, sample
+from engine.sampler import SampleRow, sample
 from engine.sampling_params import SamplingParams
-from engine.scheduling.schedule import SchedulerOutput
+from engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence as Seq
 
@@ -66,6 +68,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.spec, self.pool)
         self.scheduler = Scheduler(config, num_blocks=num_blocks, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
+        self.grammar_tokenizer = GrammarTokenizer(
+            self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids
+        )
         self.last_step_stats: StepStats = StepStats(step=0)
         self._requests: dict[str, RequestState] = {}
         self._num_steps = 0
@@ -126,7 +131,7 @@ class LLMEngine:
             request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages
         )
         resumed = [int(t) for t in resume_output_token_ids]
-        self._check_ids(request_id, ids + resumed)
+        self._check_ids(request_id, ids + resumed + [t for t, _ in params.logit_bias])
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room in "
@@ -140,6 +145,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             # Generation also stops at the context length (finish_reason "length").
             max_outputs=min(params.max_tokens, self.max_model_len - len(ids)),
+            matcher=(
+                self.grammar_tokenizer.matcher(params.constraint) if params.constraint else None
+            ),
         )
         if resumed:
             finished = state.resume(resumed)
@@ -169,13 +177,17 @@ class LLMEngine:
             return []
         sampling = [c for c in scheduled.chunks if c.samples]
         logits = self.runner.execute(scheduled.chunks)
+        if logits is not None:
+            mx.async_eval(logits)  # the grammar masks are built while the forward runs
+        allowed = self._grammar_masks(sampling)
         host = None if logits is None else np.array(logits.astype(mx.float32))
         forward_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
         if host is None:
             self.scheduler.update(scheduled, {})
         else:
-            samples = sample(host, [self._sample_row(c.seq) for c in sampling])
+            rows = [self._sample_row(c.seq, allowed.get(c.seq.seq_id)) for c in sampling]
+            samples = sample(host, rows)
             sampled = {c.seq.seq_id: t for c, t in zip(sampling, samples.token_ids, strict=True)}
             self.scheduler.update(scheduled, sampled)
             for i, chunk in enumerate(sampling):
@@ -257,12 +269,23 @@ class LLMEngine:
                 f"[0, {self.spec.vocab_size})"
             )
 
-    def _sample_row(self, seq: Seq) -> SampleRow:
+    def _grammar_masks(self, sampling: Sequence[ScheduledChunk]) -> dict[str, np.ndarray]:
+        """The allowed tokens of every constrained row of this step, by request id."""
+        ids = [c.seq.seq_id for c in sampling if self._requests[c.seq.seq_id].matcher]
+        if not ids:
+            return {}
+        matchers = [self._requests[i].matcher for i in ids]
+        masks = self.grammar_tokenizer.masks([m for m in matchers if m is not None])
+        return dict(zip(ids, masks, strict=True))
+
+    def _sample_row(self, seq: Seq, allowed: np.ndarray | None) -> SampleRow:
         state = self._requests[seq.seq_id]
         recent: Sequence[int] = ()
-        if state.params.repetition_penalty != 1.0:
-            recent = seq.tokens(max(0, seq.num_tokens - REPETITION_CONTEXT), seq.num_tokens)
-        return SampleRow(state.params, state.seed, state.num_outputs, recent)
+        if state.params.penalises_recent:
+            recent = seq.tokens(max(0, seq.num_tokens - PENALTY_CONTEXT), seq.num_tokens)
+        return SampleRow(
+            state.params, state.seed, state.num_outputs, recent, tuple(state.banned), allowed
+        )
 
     def _output(
         self,

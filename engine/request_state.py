@@ -5,7 +5,9 @@ sees. A resumed request (after a crash) replays its already-delivered tokens
 through ``resume``: max_tokens, output positions (and so seeded sampling),
 the detokenizer and the stop-string filter then stand exactly where an
 uninterrupted run stood, held-back text included, so the next output carries
-that text and a stop string spanning the crash point is still found.
+that text and a stop string spanning the crash point is still found. A
+constrained request's grammar matcher is advanced by every token, replayed
+ones included, so a resumed request is masked exactly as it would have been.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.constraints import RowMatcher
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.sampling_params import SamplingParams
 from engine.scheduling.sequence import FinishReason
@@ -39,6 +42,7 @@ class RequestState:
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         max_outputs: int,
+        matcher: RowMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -50,6 +54,7 @@ class RequestState:
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
+        self.matcher = matcher
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
 
@@ -58,6 +63,7 @@ class RequestState:
 
         Returns the finish reason if they already end the request (an end token,
         a stop string, max_tokens): the uninterrupted run ended there too.
+        Raises InvalidRequest if a token breaks the request's grammar.
         """
         for token_id in tokens:
             reason = self.on_token(token_id).finish_reason
@@ -65,15 +71,24 @@ class RequestState:
                 return reason
         return None
 
+    @property
+    def banned(self) -> frozenset[int]:
+        """Tokens the next output may not be: the end tokens while under min_tokens."""
+        return self._stop_ids if self.num_outputs < self.params.min_tokens else frozenset()
+
     def on_token(self, token_id: int) -> TokenVerdict:
         """Account one sampled token; return its text and finish reason."""
         self.num_outputs += 1
         self.output_token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.consume(token_id)
         if token_id in self._stop_ids:
             return self._emit(self._flush(), FinishReason.stop)
         text = self._stops.push(self._detok.add(token_id))
         if self._stops.stopped:
             return self._emit(text, FinishReason.stop)
+        if self.matcher is not None and self.matcher.stopped:
+            return self._emit(text + self._flush(), FinishReason.stop)
         if self.num_outputs >= self.max_outputs:
             return self._emit(text + self._flush(), FinishReason.length)
         return self._emit(text, None)

@@ -7,10 +7,11 @@ whole sampler costs ~1 ms for 32 rows of 32k vocabulary this way against
 
 Greedy rows take the argmax of the logits (mlx-lm takes it of ``logits -
 logsumexp``: the same index unless rounding merges two logits within an ulp).
-Sampled rows apply temperature, then top-k, top-p and min-p (vLLM's order),
-and invert the CDF at a uniform drawn from (seed, output position) only: a
-request draws the same token whatever else is in the batch, and again after
-a restart.
+Every row first goes through its logits processors (logit_bias, penalties,
+grammar mask, min_tokens: engine/logits_processors.py). Sampled rows then
+apply temperature, top-k, top-p and min-p (vLLM's order), and invert the
+CDF at a uniform drawn from (seed, output position) only: a request draws
+the same token whatever else is in the batch, and again after a restart.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.logits_processors import needs_processing, process_row
 from engine.sampling_params import SamplingParams
 
-# mlx-lm's repetition penalty looks at this many most recent tokens.
-REPETITION_CONTEXT = 20
 # top-p looks at this many best candidates first, sorting the whole row only if needed.
 _TOP_P_CANDIDATES = 512
 _MASK64 = (1 << 64) - 1
@@ -31,12 +31,15 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class SampleRow:
-    """What one sampling row needs: its params, seed, output position and recent tokens."""
+    """What one sampling row needs: its params, seed, output position and recent tokens,
+    the tokens it may not end with yet (min_tokens) and its grammar's allowed tokens."""
 
     params: SamplingParams
     seed: int
     position: int
     recent_tokens: Sequence[int] = ()
+    banned: Sequence[int] = ()
+    allowed: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def sample(logits: np.ndarray, rows: Sequence[SampleRow]) -> Samples:
     """Pick one token per row of ``logits`` ``[len(rows), vocab]`` (float32)."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
-    logits = _apply_repetition_penalty(logits, rows)
+    logits = _process(logits, rows)
     row_max = logits.max(axis=-1, keepdims=True)
     shifted = np.exp(logits - row_max)
     lse = row_max[:, 0] + np.log(shifted.sum(axis=-1))
@@ -82,19 +85,15 @@ def sample(logits: np.ndarray, rows: Sequence[SampleRow]) -> Samples:
     return Samples(token_ids=tokens.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
 
 
-def _apply_repetition_penalty(logits: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray:
-    """mlx-lm's rule on the recent tokens: positive logits divided, negative multiplied."""
-    penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if not penalised:
+def _process(logits: np.ndarray, rows: Sequence[SampleRow]) -> np.ndarray:
+    """Each row through its logits processors (a copy; rows without any are left as they are)."""
+    todo = [i for i, r in enumerate(rows) if needs_processing(r.params, r.banned, r.allowed)]
+    if not todo:
         return logits
     logits = logits.copy()
-    for i in penalised:
-        recent = np.unique(np.asarray(rows[i].recent_tokens[-REPETITION_CONTEXT:], dtype=np.int64))
-        if recent.size == 0:
-            continue
-        p = np.float32(rows[i].params.repetition_penalty)
-        selected = logits[i, recent]
-        logits[i, recent] = np.where(selected < 0, selected * p, selected / p)
+    for i in todo:
+        r = rows[i]
+        process_row(logits[i], r.params, r.recent_tokens, r.banned, r.allowed)
     return logits
 
 

@@ -10,9 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.constraints.grammar import Constraint
 from engine.exceptions import InvalidRequest
 
 MAX_LOGPROBS = 20
+# OpenAI's bounds for the additive controls.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -42,6 +46,31 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
     "logprobs": (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an int in 0..{MAX_LOGPROBS}"),
+    "presence_penalty": (
+        lambda v: _is_number(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
+        f"a number in [-{MAX_PENALTY}, {MAX_PENALTY}]",
+    ),
+    "frequency_penalty": (
+        lambda v: _is_number(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
+        f"a number in [-{MAX_PENALTY}, {MAX_PENALTY}]",
+    ),
+    "logit_bias": (
+        lambda v: (
+            isinstance(v, (tuple, list))
+            and all(
+                isinstance(p, (tuple, list))
+                and len(p) == 2
+                and _is_int(p[0])
+                and p[0] >= 0
+                and _is_number(p[1])
+                and -MAX_LOGIT_BIAS <= p[1] <= MAX_LOGIT_BIAS
+                for p in v
+            )
+        ),
+        f"(token id, bias in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]) pairs",
+    ),
+    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "constraint": (lambda v: v is None or isinstance(v, Constraint), "a Constraint or None"),
 }
 
 
@@ -54,7 +83,12 @@ class SamplingParams:
     token regenerated after a crash is the same token. `stop` holds strings
     that end the output; `stop_token_ids` are extra token ids that end it.
     `logprobs` is how many top log-probabilities to return per token (0: none).
-    Lists given for `stop` / `stop_token_ids` are stored as tuples.
+    `logit_bias` adds a bias to given token ids; `presence_penalty` and
+    `frequency_penalty` subtract from the logits of recent tokens once / per
+    occurrence (mlx-lm's processors, README: Structured output and sampling
+    controls); `min_tokens` forbids the end tokens before that many outputs;
+    `constraint` restricts the output to a grammar (JSON schema, regex, ...).
+    Lists given for `stop` / `stop_token_ids` / `logit_bias` are stored as tuples.
 
     Raises ValueError naming the field and the bad value.
     """
@@ -70,6 +104,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for field, (valid, rule) in _RULES.items():
@@ -80,6 +119,18 @@ class SamplingParams:
         # stay immutable and hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(
+            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
+        )
+
+    @property
+    def penalises_recent(self) -> bool:
+        """True when sampling needs the recent tokens (repetition, presence, frequency)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:
