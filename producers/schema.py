@@ -28,6 +28,7 @@ import uuid
 from enum import Enum
 from typing import Annotated, Any, Literal
 
+import llguidance
 import orjson
 from pydantic import (
     BaseModel,
@@ -104,6 +105,70 @@ class Message(_StrictTypes):
     content: str
 
 
+MAX_GRAMMAR_CHARS = 65536
+MAX_LOGIT_BIAS_ENTRIES = 300
+# response_format type -> the field that holds its source
+_GRAMMAR_FIELD = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "lark": "grammar",
+    "gbnf": "grammar",
+}
+
+
+def _is_token_id(text: str) -> bool:
+    """A token id as a decimal string, as OpenAI's logit_bias keys are."""
+    return text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= TOKEN_ID_MAX
+
+
+class ResponseFormat(_StrictTypes):
+    """Structured output: the job's text is held to a grammar (README: Structured output).
+
+    ``json_object`` (any JSON object, no other field), ``json_schema`` (the schema in
+    ``json_schema``), ``regex`` (Rust regex syntax, in ``regex``), ``lark`` or ``gbnf``
+    (the grammar in ``grammar``). Checked here, so a bad one is refused at submit.
+    """
+
+    type: Literal["json_object", "json_schema", "regex", "lark", "gbnf"]
+    json_schema: dict[str, Any] | None = Field(
+        None, description="The JSON schema (type json_schema)."
+    )
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="Type regex.")
+    grammar: str | None = Field(
+        None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar (types lark, gbnf)."
+    )
+
+    @model_validator(mode="after")
+    def _one_valid_grammar(self) -> ResponseFormat:
+        needed = _GRAMMAR_FIELD.get(self.type)
+        given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+        if given != ([needed] if needed else []):
+            takes = needed or "no other field"
+            raise ValueError(f"type {self.type} takes {takes}, got {', '.join(given) or 'none'}")
+        source = self.source()
+        if len(source) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{len(source)} characters exceed the limit {MAX_GRAMMAR_CHARS}")
+        try:
+            problem = llguidance.LLMatcher.validate_grammar(
+                llguidance.grammar_from(
+                    "json_schema" if self.type == "json_object" else self.type, source
+                )
+            )
+        except ValueError as exc:
+            problem = str(exc)
+        if problem:
+            raise ValueError(f"invalid {self.type}: {problem.strip()}")
+        return self
+
+    def source(self) -> str:
+        """The grammar's text: the schema as JSON, the regex or the grammar."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is not None:
+            return orjson.dumps(self.json_schema).decode()
+        return self.regex if self.regex is not None else self.grammar or ""
+
+
 class JobRequest(_StrictTypes):
     """A generation job as it travels on the queue stream.
 
@@ -140,6 +205,25 @@ class JobRequest(_StrictTypes):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     logprobs: int = Field(0, ge=0, le=20, description="Top-N logprobs per token (0: only none).")
+    # Structured output and the controls around it (README: Structured output and sampling
+    # controls); bounds as OpenAI's.
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted once from each of the last 20 tokens."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the last 20 tokens."
+    )
+    logit_bias: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description="Token id (decimal string) -> bias in [-100, 100] added to its logit.",
+    )
+    min_tokens: int = Field(
+        0, ge=0, le=1_000_000, description="No end token before this many outputs."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="Hold the output to a JSON schema, any JSON object, a regex or a grammar."
+    )
     priority: int = Field(
         0,
         ge=-PRIORITY_BOUND,
@@ -185,6 +269,11 @@ class JobRequest(_StrictTypes):
             )
         if any(not s for s in self.stop):
             raise _FieldError("stop", "stop strings must not be empty")
+        for token, bias in self.logit_bias.items():
+            if not _is_token_id(token) or not -100.0 <= bias <= 100.0:
+                raise _FieldError(
+                    "logit_bias", f"{token!r}: {bias} is not a token id -> bias in [-100, 100]"
+                )
         limits = (info.context or {}).get("limits")
         if isinstance(limits, LimitSettings):
             _check_limits(self, limits)
@@ -197,7 +286,8 @@ class JobRequest(_StrictTypes):
         return "messages" if self.messages is not None else "prompt_token_ids"
 
     def sampling(self) -> dict[str, Any]:
-        """The SamplingParams fields of this job, as keyword arguments."""
+        """The SamplingParams fields of this job, as keyword arguments (the constraint is
+        built from ``response_format`` by the daemon)."""
         return self.model_dump(
             include={
                 "max_tokens",
@@ -211,8 +301,11 @@ class JobRequest(_StrictTypes):
                 "stop_token_ids",
                 "ignore_eos",
                 "logprobs",
+                "presence_penalty",
+                "frequency_penalty",
+                "min_tokens",
             }
-        )
+        ) | {"logit_bias": tuple((int(t), b) for t, b in self.logit_bias.items())}
 
 
 def _check_json_value(value: Any, *, depth: int) -> None:

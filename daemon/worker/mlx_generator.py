@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.constraints import Constraint
 from engine.exceptions import InvalidRequest
 from engine.outputs import ChunkKind
-from producers.schema import FinishReason, JobRequest
+from producers.schema import FinishReason, JobRequest, ResponseFormat
 
 
 class MLXGenerator:
@@ -41,7 +42,9 @@ class MLXGenerator:
             finished = self.engine.add_request(
                 job.job_id,
                 prompt_token_ids=job.prompt_token_ids,
-                params=SamplingParams(**job.request.sampling()),
+                params=SamplingParams(
+                    **job.request.sampling(), constraint=_constraint(job.request.response_format)
+                ),
                 priority=job.request.priority,
                 resume_output_token_ids=job.emitted,
             )
@@ -92,3 +95,10 @@ class MLXGenerator:
             preempted=tuple(stats.preempted),
             num_batched_tokens=stats.num_scheduled_tokens,
         )
+
+
+def _constraint(response_format: ResponseFormat | None) -> Constraint | None:
+    """The engine's grammar for a job's response_format (InvalidRequest if it is invalid)."""
+    if response_format is None:
+        return None
+    return Constraint(response_format.type, response_format.source())

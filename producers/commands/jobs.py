@@ -10,6 +10,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -37,6 +38,17 @@ def register(sub: Any) -> None:
     p.add_argument("--ttl", type=float, metavar="SECONDS", help="expire if not started in time")
     p.add_argument("--id", metavar="ID", help="job id (default: a new UUID)")
     p.add_argument("--queue", metavar="Q", help="queue name (default: default)")
+    p.add_argument("--presence-penalty", type=float, metavar="P")
+    p.add_argument("--frequency-penalty", type=float, metavar="P")
+    p.add_argument(
+        "--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID (repeatable)"
+    )
+    p.add_argument("--min-tokens", type=int, metavar="N", help="no end token before N outputs")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", help="output valid for this JSON schema")
+    fmt.add_argument(
+        "--response-format", metavar="JSON", help='e.g. \'{"type": "regex", "regex": "[0-9]+"}\''
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
     mode.add_argument("--wait", action="store_true", help="wait and print the result")
@@ -112,6 +124,11 @@ def submit(args: argparse.Namespace, settings: Settings) -> int:
         "seed": args.seed,
         "priority": args.priority,
         "ttl_s": args.ttl,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "min_tokens": args.min_tokens,
+        "logit_bias": _logit_bias(args.logit_bias),
+        "response_format": _response_format(args.json_schema, args.response_format),
     }
     with _client(settings, args.queue) as client:
         handle = client.submit(prompt, id=args.id, **options)
@@ -123,6 +140,34 @@ def submit(args: argparse.Namespace, settings: Settings) -> int:
         else:
             print(handle.id)
     return 0
+
+
+def _logit_bias(pairs: list[str] | None) -> dict[str, float] | None:
+    """``ID=BIAS`` arguments as the wire's {"ID": BIAS}."""
+    if not pairs:
+        return None
+    bias = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[token.strip()] = float(value)
+        except ValueError:
+            raise ValidationError("logit_bias", f"{pair!r} is not ID=BIAS") from None
+    return bias
+
+
+def _response_format(schema_file: str | None, raw: str | None) -> dict[str, Any] | None:
+    """--json-schema FILE or --response-format JSON as the wire's response_format."""
+    field, text = ("json_schema", schema_file) if schema_file else ("response_format", raw)
+    if text is None:
+        return None
+    try:
+        data = orjson.loads(Path(text).read_bytes() if schema_file else text)
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ValidationError(field, f"cannot read {text!r} as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValidationError(field, f"must be a JSON object, got {text!r}")
+    return {"type": "json_schema", "json_schema": data} if schema_file else data
 
 
 @_guarded

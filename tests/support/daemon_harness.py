@@ -288,6 +288,41 @@ def wait_final(
     raise AssertionError(f"{len(missing)} job(s) not finished in {timeout}s: {missing[:5]}")
 
 
+@dataclass(frozen=True)
+class CrashRun:
+    """A job run by a daemon killed at a decode step, then by a restarted one."""
+
+    at_crash: list[Event]  # what the killed daemon had stored
+    events: list[Event]  # every event once the restarted daemon finished the job
+    restarted_log: str
+
+
+def crash_then_resume(
+    redis_url: str, job: dict[str, Any], *, cut: int, model: Path, log_dir: Path
+) -> CrashRun:
+    """Enqueue ``job``; a daemon SIGKILLs itself at decode step ``cut`` (tokens 0..cut-1
+    published), a restarted daemon finishes it and is stopped with SIGTERM."""
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys()
+    config = daemon_config(log_dir, redis_url)
+    enqueue(client, keys, job)
+    crashed = DaemonProcess(
+        config,
+        model=model,
+        log_path=log_dir / "crashed.log",
+        env={"BATCHD_TEST_CRASH_AT": f"decode:{cut}"},
+    )
+    assert crashed.wait(60) == -signal.SIGKILL, crashed.log_tail()
+    at_crash = events_of(client, keys, job["id"])
+    restarted = DaemonProcess(config, model=model, log_path=log_dir / "restarted.log")
+    try:
+        events = wait_final(client, keys, [job["id"]])[job["id"]]
+    finally:
+        restarted.signal(signal.SIGTERM)
+        assert restarted.wait(30) == 0, restarted.log_tail()
+    return CrashRun(at_crash, events, restarted.log_path.read_text())
+
+
 def status_of(client: redis.Redis, keys: Keys, job_id: str) -> JobStatus:
     raw: Any = client.hgetall(keys.job(job_id))
     return JobStatus.from_hash(raw)

@@ -5,17 +5,13 @@ final event's full text equal an uninterrupted in-process run."""
 from __future__ import annotations
 
 import random
-import signal
 from pathlib import Path
 from typing import Any
 
 from engine import LLMEngine, SamplingParams
-from producers.keys import Keys
 from producers.schema import FinishReason, validate_job
-from support.daemon_harness import DaemonProcess, daemon_config, enqueue, events_of, wait_final
+from support.daemon_harness import crash_then_resume
 from support.redis_server import RedisServer
-
-KEYS = Keys()
 
 
 def _uninterrupted(eng: LLMEngine, job: dict[str, Any]) -> tuple[list[int], list[str], str | None]:
@@ -74,30 +70,13 @@ def test_kill_while_a_stop_string_is_held_back_resumes_exactly(
     # At the cut the run has delivered less than the decoded tokens: the stop's start.
     assert len("".join(texts[:cut])) < len(decode(tokens[:cut]))
 
-    client = redis_server.client()
-    config = daemon_config(tmp_path, redis_server.url)
-    enqueue(client, KEYS, job)
     # Step 1 prefills the prompt (token 0); decode step n makes token n: dying there
     # leaves tokens 0..n-1 published.
-    crashed = DaemonProcess(
-        config,
-        model=tiny_model,
-        log_path=tmp_path / "crashed.log",
-        env={"BATCHD_TEST_CRASH_AT": f"decode:{cut}"},
-    )
-    assert crashed.wait(60) == -signal.SIGKILL, crashed.log_tail()
-    stored = events_of(client, KEYS, job["id"])
-    assert [e.token_id for e in stored] == tokens[:cut]
-    assert [e.text for e in stored] == texts[:cut]
-
-    restarted = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "restarted.log")
-    try:
-        events = wait_final(client, KEYS, [job["id"]])[job["id"]]
-    finally:
-        restarted.signal(signal.SIGTERM)
-        assert restarted.wait(30) == 0, restarted.log_tail()
-    assert f"resumed at seq {cut}" in restarted.log_path.read_text()
-    *token_events, final = events
+    run = crash_then_resume(redis_server.url, job, cut=cut, model=tiny_model, log_dir=tmp_path)
+    assert [e.token_id for e in run.at_crash] == tokens[:cut]
+    assert [e.text for e in run.at_crash] == texts[:cut]
+    assert f"resumed at seq {cut}" in run.restarted_log
+    *token_events, final = run.events
     assert [e.token_id for e in token_events] == tokens
     assert [e.text for e in token_events] == texts
     assert final.finish_reason is FinishReason.stop
