@@ -11,6 +11,7 @@ regex, Lark, GBNF and any-JSON-object constraints hold; bad grammars are refused
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -179,3 +180,31 @@ def test_min_tokens_holds_the_end_back(eng: LLMEngine) -> None:
     )
     assert results["early"][0] == [eos]
     assert len(results["held"][0]) == 6 and results["held"][0][-1] == eos
+
+
+@pytest.mark.slow
+def test_100_seeded_requests_validate_on_a_real_model() -> None:
+    """BATCHD_REAL_MODEL=<model dir> (e.g. SmolLM2-135M-Instruct): chat prompts asking for
+    the JSON, greedy and seeded, alone and mixed with unconstrained requests."""
+    path = os.environ.get("BATCHD_REAL_MODEL")
+    if not path:
+        pytest.skip("set BATCHD_REAL_MODEL to a model directory")
+    real = LLMEngine(load(Path(path)), EngineConfig(max_num_seqs=32))
+    ask = "Describe a person as JSON with name, age, role, scores and address."
+    for i in range(100):
+        real.add_request(
+            f"c{i}",
+            messages=[{"role": "user", "content": f"{ask} Person number {i}."}],
+            params=_constrained(i),
+        )
+        if i % 4 == 0:
+            real.add_request(
+                f"u{i}", prompt=f"Once upon a time {i}", params=SamplingParams(max_tokens=32)
+            )
+    texts: dict[str, str] = {}
+    finish: dict[str, str | None] = {}
+    while real.has_unfinished():
+        for out in real.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            finish[out.request_id] = out.finish_reason and out.finish_reason.value
+    _assert_valid({rid: ([], texts[rid], finish[rid]) for rid in texts if rid.startswith("c")})
