@@ -16,9 +16,10 @@ class RequestOutput:
     half a character, never any part of a stop string; may be empty).
     ``index`` is the token's position among the request's outputs, counting
     tokens a resumed request was given as already produced. ``logprob`` is the
-    token's log-probability under the model (after repetition penalty, before
-    temperature); ``top_logprobs`` lists (token_id, logprob) best first when
-    the request asked for ``logprobs > 0``. ``finish_reason`` is set on the
+    token's log-probability under the model (after the logits processors:
+    logit_bias, penalties, grammar mask; before temperature); ``top_logprobs``
+    lists (token_id, logprob) best first when the request asked for
+    ``logprobs > 0``. ``finish_reason`` is set on the
     request's last token (stop or length) and None while it runs.
     """
 
