@@ -178,7 +178,8 @@ class LLMEngine:
         sampling = [c for c in scheduled.chunks if c.samples]
         logits = self.runner.execute(scheduled.chunks)
         if logits is not None:
-            mx.async_eval(logits)  # the grammar masks are built while the forward runs
+            # The grammar masks are built while the forward runs.
+            mx.async_eval(logits)  # type: ignore[no-untyped-call]
         allowed = self._grammar_masks(sampling)
         host = None if logits is None else np.array(logits.astype(mx.float32))
         forward_s = time.perf_counter() - start
