@@ -31,11 +31,12 @@ from engine.forward.model_runner import ModelRunner
 from engine.logits_processors import PENALTY_CONTEXT
 from engine.models.loader import LoadedModel, load
 from engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
-from engine.request_state import RequestState
+from engine.request_state import RequestState, TokenVerdict
 from engine.sampler import SampleRow, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
 from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import FinishReason
 from engine.scheduling.sequence import Sequence as Seq
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
@@ -222,7 +223,7 @@ class LLMEngine:
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         while any(rid in self._requests for rid in ids):
             for out in self.step():
-                if out.request_id in results:
+                if out.request_id in results and out.error is None:
                     results[out.request_id].append(out.token_id)
         return [results[rid] for rid in ids]
 
@@ -297,7 +298,12 @@ class LLMEngine:
     ) -> RequestOutput:
         state = self._requests[request_id]
         index = state.num_outputs
-        verdict = state.on_token(token_id)
+        error = None
+        try:
+            verdict = state.on_token(token_id)
+        except InvalidRequest as exc:  # its grammar failed (an llguidance limit): it alone ends
+            error = f"request {request_id!r}: {exc}"
+            verdict = TokenVerdict("", FinishReason.error)
         if verdict.finish_reason is not None:
             self.scheduler.finish(request_id, verdict.finish_reason)
             del self._requests[request_id]
@@ -310,6 +316,7 @@ class LLMEngine:
             finished=verdict.finish_reason is not None,
             finish_reason=verdict.finish_reason,
             top_logprobs=top,
+            error=error,
         )
 
     def _stats(

@@ -20,7 +20,9 @@ class RequestOutput:
     logit_bias, penalties, grammar mask; before temperature); ``top_logprobs``
     lists (token_id, logprob) best first when the request asked for
     ``logprobs > 0``. ``finish_reason`` is set on the
-    request's last token (stop or length) and None while it runs.
+    request's last token (stop or length) and None while it runs; ``error``
+    says why when it is ``error`` (the request's grammar refused or failed:
+    then ``token_id`` is the refused token, not an output).
     """
 
     request_id: str
@@ -31,6 +33,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
 
 
 class ChunkKind(str, Enum):

@@ -59,13 +59,14 @@ class MLXGenerator:
         return [
             TokenOut(
                 job_id=out.request_id,
-                token_id=out.token_id,
+                token_id=None if out.error else out.token_id,
                 text=out.text,
                 logprob=out.logprob,
                 top_logprobs=out.top_logprobs,
                 finish_reason=None
                 if out.finish_reason is None
                 else FinishReason(out.finish_reason.value),
+                error=out.error,
             )
             for out in self.engine.step()
         ]

@@ -23,11 +23,13 @@ class SequenceStatus(str, Enum):
 
 
 class FinishReason(str, Enum):
-    """Why a sequence ended: a stop token/string, max_tokens (or context) reached, aborted."""
+    """Why a sequence ended: a stop token/string, max_tokens (or context) reached, aborted,
+    or an error of that request alone (its grammar failed)."""
 
     stop = "stop"
     length = "length"
     abort = "abort"
+    error = "error"
 
 
 class Sequence:

@@ -22,7 +22,9 @@ import engine  # noqa: F401  (OpenBLAS before MLX)
 from daemon.bench.constrained import NESTED_SCHEMA, nested_constraint
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.constraints import Constraint
+from engine.exceptions import InvalidRequest
 from engine.models.loader import load
+from engine.scheduling.sequence import FinishReason
 
 MAX_TOKENS = 256  # the nested schema's JSON takes ~90 tokens at most here
 
@@ -113,6 +115,29 @@ def test_a_resumed_token_the_grammar_refuses_is_bad_input(eng: LLMEngine) -> Non
             "bad", prompt_token_ids=_prompt(1), params=_constrained(1), resume_output_token_ids=bad
         )
     assert not eng.has_unfinished()
+
+
+def test_a_grammar_that_fails_mid_way_ends_its_request_alone(eng: LLMEngine) -> None:
+    eng.add_request("doomed", prompt_token_ids=_prompt(2), params=_constrained(2))
+    eng.add_request("fine", prompt_token_ids=_prompt(3), params=_constrained(3))
+    matcher = eng._requests["doomed"].matcher  # as if llguidance hit a limit at token 5
+    assert matcher is not None
+    consume, seen = matcher.consume, []
+
+    def failing(token_id: int) -> None:
+        seen.append(token_id)
+        if len(seen) == 5:
+            raise InvalidRequest("step lexer fuel exhausted")
+        consume(token_id)
+
+    matcher.consume = failing  # type: ignore[method-assign]
+    ends = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                ends[out.request_id] = (out.finish_reason, out.error)
+    assert ends["doomed"] == (FinishReason.error, "request 'doomed': step lexer fuel exhausted")
+    assert ends["fine"] == (FinishReason.stop, None)
 
 
 @pytest.mark.parametrize(
