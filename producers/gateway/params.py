@@ -24,12 +24,8 @@ MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "logit_bias": lambda v: not v,
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v == {"type": "text"}),
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
@@ -47,10 +43,11 @@ WHY_REFUSED = {
     "metadata": "must be an object",
     "top_logprobs": "is not supported: the gateway has no tokenizer to name alternative "
     "tokens (logprobs: true gives each generated token's logprob)",
-    "response_format": "other than {'type': 'text'} is not supported (no constrained decoding)",
 }
+# OpenAI's sampling controls that map one to one onto job fields.
+SAME_NAME = ("top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
 # Sampling extras batchd has beyond OpenAI's set (vLLM takes the same names).
-EXTRAS = ("top_k", "min_p", "repetition_penalty", "priority")
+EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "priority")
 
 
 @dataclass(frozen=True)
@@ -102,10 +99,13 @@ def _common(
         job["max_tokens"] = max_tokens
     temperature = body.pop("temperature", None)
     job["temperature"] = OPENAI_TEMPERATURE if temperature is None else temperature
-    for name in ("top_p", "seed", *EXTRAS):
+    for name in (*SAME_NAME, *EXTRAS):
         value = body.pop(name, None)
         if value is not None:
             job[name] = value
+    response_format = _response_format(body.pop("response_format", None))
+    if response_format is not None:
+        job["response_format"] = response_format
     stop = body.pop("stop", None)
     if stop is not None:
         job["stop"] = [stop] if isinstance(stop, str) else stop
@@ -121,6 +121,25 @@ def _common(
     if isinstance(metadata, dict):
         job["metadata"] = metadata
     return Mapped(model, job, bool(stream), include_usage, logprobs)
+
+
+def _response_format(raw: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the job's: ``text`` is no constraint, ``json_object``
+    passes as is, ``json_schema`` carries its ``schema`` (name and strict are OpenAI's
+    bookkeeping: batchd always holds the output to the schema)."""
+    if raw is None or raw == {"type": "text"}:
+        return None
+    if not isinstance(raw, dict):
+        raise invalid("response_format", "must be an object")
+    kind = raw.get("type")
+    if kind == "json_object" and set(raw) == {"type"}:
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid("response_format", "json_schema needs an object with a 'schema'")
+        return {"type": "json_schema", "json_schema": spec["schema"]}
+    raise unsupported("response_format", "supports the types text, json_object and json_schema")
 
 
 def _stream_options(options: Any, *, stream: bool) -> bool:

@@ -4,6 +4,7 @@ a real redis-server and a real daemon on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import orjson
 import pytest
@@ -106,9 +108,13 @@ def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 5}, "frequency_penalty"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"response_format": {"type": "regex", "regex": "a+"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+            "response_format",
+        ),
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"temperature": -1}, "temperature"),
@@ -192,3 +198,27 @@ def test_batchd_gateway_command(gateway: Any) -> None:
     finally:
         proc.terminate()
         assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+
+
+def test_json_schema_response_format_holds_the_output_to_the_schema(oai: openai.OpenAI) -> None:
+    """The random-weight model writes valid JSON of the schema only because it must."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "digit": {"type": "integer", "minimum": 0, "maximum": 9},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["digit", "ok"],
+        "additionalProperties": False,
+    }
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=64,
+        seed=3,
+        frequency_penalty=0.5,
+        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}},
+    )
+    content = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content or ""), schema)

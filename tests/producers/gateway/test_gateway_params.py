@@ -50,7 +50,8 @@ def test_completion_prompt_forms() -> None:
     ("body", "param"),
     [
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"presence_penalty": 1}, "presence_penalty"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "lark", "grammar": "x"}}, "response_format"),
         ({"whatever": 1}, "whatever"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
