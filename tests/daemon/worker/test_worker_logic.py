@@ -74,6 +74,8 @@ def test_backpressure_reads_only_what_the_engine_can_admit(redis_server: RedisSe
     settings = fast_settings(redis_server.url, intake_buffer=1)
     settings.engine.max_num_seqs = 2
     ids = [f"bp{i}" for i in range(10)]
+    # The group exists before the first XPENDING, however slowly the worker starts.
+    client.xgroup_create(KEYS.queue(), CONSUMER_GROUP, id="0", mkstream=True)
     with worker_thread(settings, lambda: FakeGenerator(max_running=2, step_delay_s=0.01)):
         for job_id in ids:
             enqueue(client, KEYS, {"id": job_id, "prompt": "x", "max_tokens": 5})
