@@ -30,14 +30,19 @@ from producers.keys import EVENT_FIELD, Keys, event_id
 CREATE_ONLY = 0
 
 # KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel.
-# ARGV[1] owner, ARGV[2] epoch, ARGV[3] events the owner believes stored, ARGV[4] n,
-# then n (entry id, event JSON) pairs, then status field/value pairs.
+# ARGV[1] owner, ARGV[2] epoch, ARGV[3] events the owner believes stored,
+# ARGV[4] result TTL in seconds, ARGV[5] n, then n (entry id, event JSON) pairs,
+# then status field/value pairs.
+# A create-only append sets the keys' TTL itself: if its reply is lost, the retry
+# finds the keys and is answered 'lost', so no later EXPIRE would ever reach them.
 APPEND = f"""
+local created = false
 if ARGV[2] == '{CREATE_ONLY}' then
   if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
     return {{'lost'}}
   end
   ARGV[2] = '1'
+  created = true
 end
 local held = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0')
 local mine = tonumber(ARGV[2])
@@ -49,15 +54,17 @@ local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local stored = 0
 if #last > 0 then stored = tonumber(string.match(last[1][1], '%-(%d+)$')) end
 if stored ~= tonumber(ARGV[3]) then return {{'tip', stored}} end
-local n = tonumber(ARGV[4])
+local n = tonumber(ARGV[5])
 for i = 0, n - 1 do
-  local r = redis.pcall('XADD', KEYS[1], ARGV[5 + 2 * i], '{EVENT_FIELD}', ARGV[6 + 2 * i])
+  local r = redis.pcall('XADD', KEYS[1], ARGV[6 + 2 * i], '{EVENT_FIELD}', ARGV[7 + 2 * i])
   if type(r) == 'table' and r.err then return {{'refused', i, r.err}} end
-  redis.pcall('PUBLISH', KEYS[3], ARGV[6 + 2 * i])
+  redis.pcall('PUBLISH', KEYS[3], ARGV[7 + 2 * i])
+  if created and i == 0 then redis.pcall('EXPIRE', KEYS[1], ARGV[4]) end
 end
-if #ARGV > 4 + 2 * n then
-  local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 5 + 2 * n))
+if #ARGV > 5 + 2 * n then
+  local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 6 + 2 * n))
   if type(r) == 'table' and r.err then return {{'refused', n, r.err}} end
+  if created then redis.pcall('EXPIRE', KEYS[2], ARGV[4]) end
 end
 return {{'ok', n}}
 """
@@ -94,9 +101,10 @@ class Reply:
 class Fence:
     """Queues one fenced append per job into a pipeline."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, owner: str) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, *, owner: str, result_ttl_s: int) -> None:
         self.keys = keys
         self.owner = owner
+        self.result_ttl_s = result_ttl_s
         self.script = client.register_script(APPEND)
 
     def load(self, client: redis.Redis) -> None:
@@ -104,7 +112,13 @@ class Fence:
         client.script_load(APPEND)
 
     def queue(self, pipe: Pipeline, job: Job) -> None:
-        args: list[Any] = [self.owner, job.epoch, job.stored_events, len(job.unpublished)]
+        args: list[Any] = [
+            self.owner,
+            job.epoch,
+            job.stored_events,
+            self.result_ttl_s,
+            len(job.unpublished),
+        ]
         for event in job.unpublished:
             args += [event_id(event.seq), event.encode()]
         for name, value in job.status.items():

@@ -65,7 +65,7 @@ class Publisher:
         self.redis = client
         self.keys = keys
         self.result_ttl_s = result_ttl_s
-        self.fence = Fence(client, keys, owner=owner)
+        self.fence = Fence(client, keys, owner=owner, result_ttl_s=result_ttl_s)
         self._loaded = False
 
     def flush(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> FlushResult:
@@ -144,6 +144,8 @@ class Publisher:
                 out.reconcile.append(job)
             return
         self._confirm(job, reply.count, out)
+        if job.epoch == CREATE_ONLY and reply.count > 0:
+            job.epoch = 1  # the keys are this append's now: a retry continues them
         if reply.outcome is Outcome.stored:
             job.status.clear()
         else:

@@ -1,5 +1,6 @@
-"""Two smaller promises: a resent write never republishes, and an oversized payload is
-refused before anything parses it."""
+"""Smaller promises: a resent write never republishes, a rejected entry's keys expire
+even when the reply to their creation was lost, and an oversized payload is refused
+before anything parses it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from config import LimitSettings
 from daemon.worker import pickup
-from daemon.worker.fence import Fence, Outcome, Reply
+from daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
 from daemon.worker.jobs import Delivery, Job
 from producers.keys import JOB_FIELD, Keys
 from producers.schema import parse_job
@@ -28,7 +29,7 @@ def test_a_resent_append_stores_and_publishes_nothing_again(redis_server: RedisS
     job = Job(job_id="j1", delivery=Delivery("default", "1-0", {}))
     for token in (5, 6, 7):
         job.add_token(token, f"{token} ")
-    fence = Fence(client, KEYS, owner="d1")
+    fence = Fence(client, KEYS, owner="d1", result_ttl_s=60)
     fence.load(client)
 
     def append() -> Reply:
@@ -45,6 +46,26 @@ def test_a_resent_append_stores_and_publishes_nothing_again(redis_server: RedisS
         published.append(orjson.loads(message["data"])["seq"])
     assert published == [0, 1, 2]
     assert client.xlen(KEYS.events("j1")) == 3
+
+
+def test_a_rejected_entrys_keys_expire_though_the_reply_to_their_creation_was_lost(
+    redis_server: RedisServer,
+) -> None:
+    client = redis_server.client()
+    job = Job(job_id="bad", delivery=Delivery("default", "1-0", {}))
+    job.epoch = CREATE_ONLY
+    job.reject("payload did not parse")
+    fence = Fence(client, KEYS, owner="d1", result_ttl_s=60)
+    fence.load(client)
+    pipe = client.pipeline(transaction=False)
+    fence.queue(pipe, job)
+    pipe.execute(raise_on_error=False)  # stored; suppose its reply never arrived
+    pipe = client.pipeline(transaction=False)
+    fence.queue(pipe, job)
+    retry = Reply.parse(pipe.execute(raise_on_error=False)[0])
+    assert retry.outcome is Outcome.lost  # the retry cannot tell its own keys from a job's
+    assert 0 < client.ttl(KEYS.events("bad")) <= 60
+    assert 0 < client.ttl(KEYS.job("bad")) <= 60
 
 
 def test_an_oversized_payload_is_never_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
