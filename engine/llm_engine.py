@@ -112,6 +112,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         resume_output_token_ids: Sequence[int] = (),
+        follows: str | None = None,
     ) -> str | None:
         """Queue a request given exactly one of prompt / prompt_token_ids / messages.
 
@@ -124,6 +125,12 @@ class LLMEngine:
         the finish reason ("stop", "length") when those outputs already end the
         request: then nothing is queued. Raises InvalidRequest on bad input, and
         ValueError for an id already running (the caller's bookkeeping, not the request).
+
+        ``follows`` names a live request with the same prompt (another sample of it,
+        as a job with n > 1 makes): this one is admitted only once that one has
+        computed the full KV blocks of their common prefix, which it then takes from
+        the prefix cache instead of computing them again. Ignored with prefix
+        caching off or when that request is not live.
         """
         params = params or SamplingParams()
         if request_id in self._requests:
@@ -155,7 +162,11 @@ class LLMEngine:
             if finished is not None:
                 return finished
         remaining = dataclasses.replace(params, max_tokens=state.max_outputs - len(resumed))
-        self.scheduler.add(Seq(request_id, ids + resumed, remaining, priority=priority))
+        seq = Seq(request_id, ids + resumed, remaining, priority=priority)
+        leader = None if follows is None else self.scheduler.get(follows)
+        if leader is not None and self.config.enable_prefix_caching:
+            seq.follow(leader, block_size=self.config.block_size)
+        self.scheduler.add(seq)
         self._requests[request_id] = state
         return None
 

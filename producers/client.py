@@ -72,7 +72,7 @@ class Client(ClientBase):
         **options: Any,
     ) -> JobHandle:
         """Validate and enqueue a job; ``options`` are JobRequest fields (max_tokens,
-        temperature, seed, priority, ttl_s, metadata, ...).
+        temperature, seed, n, priority, ttl_s, metadata, ...).
 
         Raises ValidationError naming the bad field; a job id already submitted
         raises ValidationError on ``id`` unless ``idempotent`` (then the handle

@@ -9,6 +9,8 @@ an entry ``event <Event JSON>`` with id ``0-<seq+1>`` on
 ``batchd:job:<id>:events`` and the same JSON PUBLISHed on
 ``batchd:job:<id>:tokens``. The last event carries ``finish_reason``, the full
 ``text``, ``usage`` and ``timings``. ``batchd:job:<id>`` is the status hash.
+A job with ``n`` > 1 generates n sequences: its token events carry ``index``
+(0 to n-1, interleaved in one seq order) and its final event ``choices``.
 
 Submitting: the producer creates the status hash (``state`` queued, ``queue``,
 ``queued_at``) only if it does not exist yet, atomically with the XADD (one
@@ -22,6 +24,7 @@ status hash turns terminal.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import uuid
@@ -105,6 +108,7 @@ class Message(_StrictTypes):
     content: str
 
 
+MAX_SEQUENCES = 16
 MAX_GRAMMAR_CHARS = 65536
 MAX_LOGIT_BIAS_ENTRIES = 300
 # response_format type -> the field that holds its source
@@ -205,6 +209,13 @@ class JobRequest(_StrictTypes):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     logprobs: int = Field(0, ge=0, le=20, description="Top-N logprobs per token (0: only none).")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_SEQUENCES,
+        description="Sequences generated from the prompt (its KV computed once); sequence i "
+        "samples with sequence_seed(seed, i); n x max_tokens is held to the max_tokens cap.",
+    )
     # Structured output and the controls around it (README: Structured output and sampling
     # controls); bounds as OpenAI's.
     presence_penalty: float = Field(
@@ -342,6 +353,12 @@ class _FieldError(ValueError):
 def _check_limits(job: JobRequest, limits: LimitSettings) -> None:
     if job.max_tokens > limits.max_tokens_cap:
         raise _FieldError("max_tokens", f"{job.max_tokens} exceeds the cap {limits.max_tokens_cap}")
+    if job.n * job.max_tokens > limits.max_tokens_cap:
+        raise _FieldError(
+            "n",
+            f"n={job.n} sequences of max_tokens={job.max_tokens} exceed the cap "
+            f"{limits.max_tokens_cap}",
+        )
     if job.prompt is not None and len(job.prompt) > limits.max_prompt_chars:
         raise _FieldError(
             "prompt", f"{len(job.prompt)} characters exceed the limit {limits.max_prompt_chars}"
@@ -409,6 +426,17 @@ def _to_validation_error(exc: PydanticValidationError) -> ValidationError:
     return ValidationError(loc or "job", message, value=err.get("input"))
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed sequence ``index`` of a job with ``n`` > 1 samples with: the job's own seed
+    for sequence 0 (so it equals the same job with n=1), and for i > 0 the first 8 bytes
+    of ``blake2b(f"{seed}:{i}", digest_size=8)`` read little-endian, shifted right by one
+    bit (a non-negative int64)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex
 
@@ -432,15 +460,31 @@ class Timings(_Strict):
     finished: float | None = None
 
 
+class Choice(_Strict):
+    """One sequence of a job with ``n`` > 1, as its final event lists it."""
+
+    index: int = Field(ge=0, description="The sequence, 0 to n-1.")
+    text: str = Field(description="Its full text.")
+    finish_reason: FinishReason
+    completion_tokens: int = Field(ge=0)
+
+
 class Event(_Strict):
     """One entry of a job's events stream (and the same JSON on its channel).
 
     Token events carry ``token_id`` and the new ``text``. The final event has
     ``finish_reason``, the full ``text``, ``usage``, ``timings``, ``metadata``
-    and, on failure, ``error``; it has no ``token_id``.
+    and, on failure, ``error``; it has no ``token_id``. For a job with ``n`` > 1
+    each token event names its sequence in ``index``, and the final event lists
+    every sequence in ``choices`` (its ``text`` is sequence 0's, its ``usage``
+    counts the prompt once and the tokens of all sequences). With n=1 neither
+    field is present.
     """
 
     seq: int = Field(ge=0, description="0, 1, 2, ... with no gap or duplicate.")
+    index: int | None = Field(
+        None, ge=0, description="The token's sequence (jobs with n > 1 only)."
+    )
     token_id: int | None = None
     text: str = ""
     logprob: float | None = None
@@ -450,6 +494,9 @@ class Event(_Strict):
     timings: Timings | None = None
     error: str | None = None
     metadata: dict[str, Any] | None = None
+    choices: list[Choice] | None = Field(
+        None, description="Every sequence's end (final event of a job with n > 1 only)."
+    )
 
     @property
     def final(self) -> bool:

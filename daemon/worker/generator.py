@@ -33,12 +33,16 @@ class JobStart:
     as produced and are not emitted again; the text of their events is what was
     delivered, and the next outputs carry on exactly as an uninterrupted run
     (text that was still held back then comes with the next output).
+    A job with ``n`` > 1 is started once per sequence, ``index`` 0 first, each with
+    its own ``emitted`` tokens; its outputs name the sequence in ``TokenOut.index``,
+    and ``abort`` drops all of them.
     """
 
     job_id: str
     request: JobRequest
     prompt_token_ids: list[int]
     emitted: Sequence[int] = ()
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class TokenOut:
     finish_reason: FinishReason | None = None
     # Why the engine ended the job, when it ended it with FinishReason.error.
     error: str | None = None
+    # The sequence of a job with n > 1 (JobStart.index); finish_reason ends that one only.
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,9 @@ class Generator(Protocol):
         ...
 
     def start(self, job: JobStart) -> FinishReason | None:
-        """Admit a job. Returns the finish reason instead when its ``emitted`` outputs
-        already end it (a crash just before its final event). Raises JobRejected."""
+        """Admit a job (one sequence of it). Returns the finish reason instead when its
+        ``emitted`` outputs already end it (a crash just before its final event). Raises
+        JobRejected."""
         ...
 
     def abort(self, job_id: str) -> None:

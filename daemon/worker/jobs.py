@@ -2,10 +2,13 @@
 
 The events stream is the checkpoint: ``seq`` of a token event is its index in
 ``output_token_ids``, so a job rebuilt from its stored events continues at the
-next seq. Everything that must reach Redis waits in the job's outbox
-(``unpublished`` events, ``status`` fields, the finish flags) until one
-publish pipeline confirms it; while Redis is away the outbox just grows, in
-order.
+next seq. A job with ``n`` > 1 interleaves the tokens of its sequences in that one
+seq order, each event naming its sequence; ``sequences`` holds each one's own
+tokens, text and end, so each resumes from its own tokens.
+
+Everything that must reach Redis waits in the job's outbox (``unpublished``
+events, ``status`` fields, the finish flags) until one publish pipeline confirms
+it; while Redis is away the outbox just grows, in order.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from producers.schema import (
     FINAL_STATE,
+    Choice,
     Event,
     FinishReason,
     JobRequest,
@@ -44,6 +48,15 @@ class Delivery:
 
 
 @dataclass
+class SequenceProgress:
+    """One of a job's n sequences: its tokens and text so far, and how it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
 class Job:
     """In-memory state of one job from pickup until Redis has its final event and ack."""
 
@@ -51,8 +64,9 @@ class Job:
     delivery: Delivery
     request: JobRequest | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # Every token event's token, in seq order (all sequences).
     output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    sequences: list[SequenceProgress] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
     # The outbox: what the next publish pipeline writes, in order.
     unpublished: list[Event] = field(default_factory=list)
@@ -77,6 +91,20 @@ class Job:
     @property
     def next_seq(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def n(self) -> int:
+        return 1 if self.request is None else self.request.n
+
+    def sequence(self, index: int) -> SequenceProgress:
+        while len(self.sequences) <= index:
+            self.sequences.append(SequenceProgress())
+        return self.sequences[index]
+
+    def end_sequence(self, index: int, reason: FinishReason) -> bool:
+        """Record that sequence ``index`` ended; True once all n have."""
+        self.sequence(index).finish_reason = reason
+        return all(self.sequence(i).finish_reason is not None for i in range(self.n))
 
     @property
     def ended(self) -> bool:
@@ -107,8 +135,9 @@ class Job:
         *,
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
+        index: int = 0,
     ) -> None:
-        """Append one generated token as the next seq."""
+        """Append one generated token of sequence ``index`` as the next seq."""
         assert not self.ended, f"job {self.job_id}: token after the final event"
         if self.timings.first_token is None:
             self.timings.first_token = time.time()
@@ -116,27 +145,48 @@ class Job:
         self.unpublished.append(
             Event(
                 seq=self.next_seq,
+                index=index if self.n > 1 else None,
                 token_id=token_id,
                 text=text,
                 logprob=logprob,
                 top_logprobs=top_logprobs,
             )
         )
+        self._take(index, token_id, text)
+
+    def _take(self, index: int, token_id: int, text: str) -> None:
+        progress = self.sequence(index)
+        progress.token_ids.append(token_id)
+        progress.text += text
         self.output_token_ids.append(token_id)
-        self.text += text
 
     def end(self, reason: FinishReason, *, error: str | None = None, metadata: bool = True) -> None:
         """Queue the final event and the terminal status; idempotent for a job already ended.
-        ``metadata=False`` leaves the request's metadata out of the final event."""
+        ``metadata=False`` leaves the request's metadata out of the final event.
+
+        With n > 1 the final event lists every sequence; one that had not ended takes
+        ``reason`` (cancelled, expired, error). The event's text is sequence 0's."""
         if self.ended:
             return
         self.finish_reason = reason
         self.error = error
         self.timings.finished = time.time()
+        choices = None
+        if self.n > 1:
+            choices = [
+                Choice(
+                    index=i,
+                    text=self.sequence(i).text,
+                    finish_reason=self.sequence(i).finish_reason or reason,
+                    completion_tokens=len(self.sequence(i).token_ids),
+                )
+                for i in range(self.n)
+            ]
         self.unpublished.append(
             Event(
                 seq=self.next_seq,
-                text=self.text,
+                text=self.sequence(0).text,
+                choices=choices,
                 finish_reason=reason,
                 usage=Usage(
                     prompt_tokens=len(self.prompt_token_ids),
@@ -196,8 +246,11 @@ class Job:
             kept.append(event)
         dropped = [e for e in self.unpublished[len(kept) :] if not e.final]
         self.unpublished = kept
-        del self.output_token_ids[len(self.output_token_ids) - len(dropped) :]
-        self.text = self.text[: len(self.text) - sum(len(e.text) for e in dropped)]
+        for event in reversed(dropped):
+            progress = self.sequence(event.index or 0)
+            progress.token_ids.pop()
+            progress.text = progress.text[: len(progress.text) - len(event.text)]
+            self.output_token_ids.pop()
         self.finish_reason = None
         self.dead_letter = True
         self.end(FinishReason.error, error=error, metadata=False)
@@ -223,8 +276,12 @@ class Job:
                     f"job {self.job_id}: stored event {event.seq} at position {expected} "
                     "breaks the seq order"
                 )
-            self.output_token_ids.append(event.token_id)
-            self.text += event.text
+            if event.index is not None and event.index >= self.n:
+                raise ValueError(
+                    f"job {self.job_id}: stored event {event.seq} of sequence {event.index}, "
+                    f"the job has n={self.n}"
+                )
+            self._take(event.index or 0, event.token_id, event.text)
         self.stored_events = len(events)
 
 

@@ -225,11 +225,14 @@ class Worker:
             try:
                 if out.token_id is not None:
                     job.add_token(
-                        out.token_id, out.text, logprob=out.logprob, top_logprobs=out.top_logprobs
+                        out.token_id,
+                        out.text,
+                        logprob=out.logprob,
+                        top_logprobs=out.top_logprobs,
+                        index=out.index,
                     )
                 if out.finish_reason is not None:
-                    job.in_engine = False
-                    job.end(out.finish_reason, error=out.error)
+                    self._sequence_ended(job, out.index, out.finish_reason, out.error)
             except Exception as exc:  # one job's failure is that job's alone
                 self._out_of_engine(job)
                 job.fail("taking its output", exc)
@@ -314,7 +317,8 @@ class Worker:
         coming publish carries (acked before its intake read)."""
         opts = self.settings
         jobs = self.jobs.values()
-        held = sum(not job.stored_final for job in jobs) if ending_now else len(self.jobs)
+        # A job holds a running slot per sequence.
+        held = sum(job.n for job in jobs if not (ending_now and job.stored_final))
         return opts.engine.max_num_seqs + opts.daemon.intake_buffer - held
 
     def _admit(self, deliveries: list[Delivery]) -> None:
@@ -343,23 +347,44 @@ class Worker:
                 self._start(job)
         self.acks.ack(pickup.acks)
 
+    def _sequence_ended(
+        self, job: Job, index: int, reason: FinishReason, error: str | None
+    ) -> None:
+        """One sequence ended: the job ends with the last of its n, or at once on an error
+        (its other sequences are dropped). The job's finish reason is sequence 0's."""
+        if job.end_sequence(index, reason):
+            job.in_engine = False
+        elif reason is FinishReason.error:
+            self._out_of_engine(job)
+        else:
+            return
+        final = reason if reason is FinishReason.error else job.sequence(0).finish_reason
+        job.end(final or reason, error=error)
+
     def _start(self, job: Job) -> None:
-        assert job.request is not None
+        """Admit each of the job's n sequences, resuming from its own stored tokens."""
+        request = job.request
+        assert request is not None
         try:
-            done = self.gen.start(
-                JobStart(job.job_id, job.request, job.prompt_token_ids, tuple(job.output_token_ids))
-            )
+            for index in range(job.n):
+                emitted = tuple(job.sequence(index).token_ids)
+                done = self.gen.start(
+                    JobStart(job.job_id, request, job.prompt_token_ids, emitted, index=index)
+                )
+                if done is None:
+                    job.in_engine = True
+                else:
+                    self._sequence_ended(job, index, done, None)
         except JobRejected as exc:
+            self._out_of_engine(job)
             job.reject(exc.reason)
             return
         except Exception as exc:  # one job's failure is that job's alone
+            job.in_engine = False
             self._abort_quietly(job.job_id)
             job.fail("admitting it", exc)
             return
-        if done is not None:
-            job.end(done)
-        else:
-            job.in_engine = True
+        if not job.ended:
             self.ops.started(job)
             if job.output_token_ids:
                 log.info("job %s resumed at seq %d", job.job_id, job.next_seq)

@@ -11,7 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.constraints import Constraint
 from engine.exceptions import InvalidRequest
 from engine.outputs import ChunkKind
-from producers.schema import FinishReason, JobRequest, ResponseFormat
+from producers.schema import FinishReason, JobRequest, ResponseFormat, sequence_seed
 
 
 class MLXGenerator:
@@ -19,6 +19,8 @@ class MLXGenerator:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # job id -> the engine request ids of its live sequences
+        self._sequences: dict[str, list[str]] = {}
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig) -> MLXGenerator:
@@ -38,38 +40,62 @@ class MLXGenerator:
             raise JobRejected(job_id, f"prompt: {exc}") from exc
 
     def start(self, job: JobStart) -> FinishReason | None:
+        sampling = job.request.sampling()
+        if job.request.seed is not None:
+            sampling["seed"] = sequence_seed(job.request.seed, job.index)
+        siblings = self._sequences.setdefault(job.job_id, [])
+        request_id = _request_id(job.job_id, job.index)
         try:
             finished = self.engine.add_request(
-                job.job_id,
+                request_id,
                 prompt_token_ids=job.prompt_token_ids,
                 params=SamplingParams(
-                    **job.request.sampling(), constraint=_constraint(job.request.response_format)
+                    **sampling, constraint=_constraint(job.request.response_format)
                 ),
                 priority=job.request.priority,
                 resume_output_token_ids=job.emitted,
+                # Later sequences take the prompt's blocks from the first one's prefill.
+                follows=siblings[0] if siblings else None,
             )
         except InvalidRequest as exc:  # only the request's fault rejects it; bugs propagate
             raise JobRejected(job.job_id, str(exc)) from exc
-        return None if finished is None else FinishReason(finished.value)
+        if finished is not None:
+            return FinishReason(finished.value)
+        siblings.append(request_id)
+        return None
 
     def abort(self, job_id: str) -> None:
-        self.engine.abort(job_id)
+        for request_id in self._sequences.pop(job_id, [job_id]):
+            self.engine.abort(request_id)
 
     def step(self) -> list[TokenOut]:
-        return [
-            TokenOut(
-                job_id=out.request_id,
-                token_id=None if out.error else out.token_id,
-                text=out.text,
-                logprob=out.logprob,
-                top_logprobs=out.top_logprobs,
-                finish_reason=None
-                if out.finish_reason is None
-                else FinishReason(out.finish_reason.value),
-                error=out.error,
+        outs = []
+        for out in self.engine.step():
+            job_id, _, index = out.request_id.partition(_INDEX_MARK)
+            if out.finished:
+                self._ended(job_id, out.request_id)
+            outs.append(
+                TokenOut(
+                    job_id=job_id,
+                    token_id=None if out.error else out.token_id,
+                    text=out.text,
+                    logprob=out.logprob,
+                    top_logprobs=out.top_logprobs,
+                    finish_reason=None
+                    if out.finish_reason is None
+                    else FinishReason(out.finish_reason.value),
+                    error=out.error,
+                    index=int(index) if index else 0,
+                )
             )
-            for out in self.engine.step()
-        ]
+        return outs
+
+    def _ended(self, job_id: str, request_id: str) -> None:
+        siblings = self._sequences.get(job_id, [])
+        if request_id in siblings:
+            siblings.remove(request_id)
+        if not siblings:
+            self._sequences.pop(job_id, None)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
@@ -89,13 +115,30 @@ class MLXGenerator:
     def last_step(self) -> StepView:
         stats = self.engine.last_step_stats
         return StepView(
-            decodes=tuple(c.request_id for c in stats.chunks if c.kind is ChunkKind.decode),
-            prefills=tuple(
-                (c.request_id, c.num_tokens) for c in stats.chunks if c.kind is ChunkKind.prefill
+            decodes=tuple(
+                _job_id(c.request_id) for c in stats.chunks if c.kind is ChunkKind.decode
             ),
-            preempted=tuple(stats.preempted),
+            prefills=tuple(
+                (_job_id(c.request_id), c.num_tokens)
+                for c in stats.chunks
+                if c.kind is ChunkKind.prefill
+            ),
+            preempted=tuple(_job_id(r) for r in stats.preempted),
             num_batched_tokens=stats.num_scheduled_tokens,
         )
+
+
+# Job ids never hold it (config.NAME_PATTERN), so "<job id>#<index>" names sequence index > 0.
+_INDEX_MARK = "#"
+
+
+def _request_id(job_id: str, index: int) -> str:
+    """The engine request id of a job's sequence: the job id for sequence 0 (n=1 as ever)."""
+    return job_id if index == 0 else f"{job_id}{_INDEX_MARK}{index}"
+
+
+def _job_id(request_id: str) -> str:
+    return request_id.partition(_INDEX_MARK)[0]
 
 
 def _constraint(response_format: ResponseFormat | None) -> Constraint | None:

@@ -6,7 +6,9 @@ Each `schedule()` builds one step under two limits, a token budget
 1. running decodes (one token each), highest rank first;
 2. running sequences still in prefill continue with chunks of what budget is left;
 3. waiting sequences are admitted in queue order while budget, the cap and
-   blocks allow (strict order: the head that does not fit blocks the rest).
+   blocks allow (strict order: the head that does not fit blocks the rest;
+   a sequence that follows a sibling still computing their shared prompt is
+   passed over until that sibling has, so the prompt's blocks are shared).
 
 While any sequence decodes, the prefill chunks of steps 2 and 3 share at most
 `max_prefill_tokens_with_decodes` tokens when that is set: a step's time
@@ -267,10 +269,12 @@ class Scheduler:
 
     def _admit(self, step: StepBuilder) -> None:
         config, bm = self.config, self.block_manager
-        while (
-            self._waiting and step.prefill_budget > 0 and len(self._running) < config.max_num_seqs
-        ):
-            seq = self._waiting[0][2]
+        while step.prefill_budget > 0 and len(self._running) < config.max_num_seqs:
+            # A sequence waiting for its sibling's prefix is passed over, not a barrier.
+            head = next((i for i, e in enumerate(self._waiting) if e[2].may_admit), None)
+            if head is None:
+                return
+            seq = self._waiting[head][2]
             hits = bm.match_prefix(seq)
             cached = len(hits) * bm.block_size
             remaining = seq.num_tokens - cached
@@ -281,7 +285,7 @@ class Scheduler:
             num = min(remaining, step.prefill_budget)
             if not self._can_admit(seq, hits, cached + num):
                 return
-            self._waiting.pop(0)
+            self._waiting.pop(head)
             bm.admit(seq, hits)
             bm.grow(seq, cached + num)
             seq.status = SequenceStatus.running

@@ -42,6 +42,9 @@ class Sequence:
     `block_hashes` caches the prefix-cache hash chain of the full blocks of
     `token_ids` (tokens only grow, so it stays valid, preemption included).
     `arrival_time` is on the scheduler's clock (time.monotonic by default).
+    `follows` is a sibling (another sequence of the same prompt) this one waits
+    for: it is admitted only once that sibling has computed the full blocks of
+    their common prefix, so those blocks come from the prefix cache.
     """
 
     def __init__(
@@ -67,6 +70,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self._tokens = [int(t) for t in prompt_token_ids]
         self._num_prompt = len(self._tokens)
+        self.follows: Sequence | None = None
+        self.shared_tokens = 0
 
     def __repr__(self) -> str:
         return (
@@ -110,6 +115,25 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.finished
+
+    def follow(self, leader: Sequence, *, block_size: int) -> None:
+        """Wait for `leader` to compute the full blocks of the tokens both begin with."""
+        common = 0
+        for mine, theirs in zip(self._tokens, leader._tokens, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        self.shared_tokens = common // block_size * block_size
+        self.follows = leader if self.shared_tokens else None
+
+    @property
+    def may_admit(self) -> bool:
+        """False while the sequence it follows is live and has not computed the shared
+        blocks yet."""
+        leader = self.follows
+        if leader is None or leader.is_finished:
+            return True
+        return leader.is_running and leader.num_computed_tokens >= self.shared_tokens
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """token_ids[start:stop] without copying the whole sequence."""

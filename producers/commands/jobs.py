@@ -44,6 +44,7 @@ def register(sub: Any) -> None:
         "--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID (repeatable)"
     )
     p.add_argument("--min-tokens", type=int, metavar="N", help="no end token before N outputs")
+    p.add_argument("-n", "--n", type=int, metavar="N", help="generate N sequences of the prompt")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", metavar="FILE", help="output valid for this JSON schema")
     fmt.add_argument(
@@ -127,6 +128,7 @@ def submit(args: argparse.Namespace, settings: Settings) -> int:
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "min_tokens": args.min_tokens,
+        "n": args.n,
         "logit_bias": _logit_bias(args.logit_bias),
         "response_format": _response_format(args.json_schema, args.response_format),
     }
@@ -179,12 +181,15 @@ def stream(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _print_events(events: Iterator[Event], job_id: str, *, as_json: bool, live: bool) -> int:
-    """Print tokens as they come (``live``) or only the result; raises JobFailed."""
+    """Print tokens as they come (``live``) or only the result; raises JobFailed.
+
+    Of a job with n > 1, only sequence 0 is printed live; the others follow at the
+    end, each on its own line after ``[index]``."""
     builder = ResultBuilder(job_id)
     for event in events:
         if as_json and live:
             sys.stdout.write(event.encode().decode() + "\n")
-        elif live and not event.final:
+        elif live and not event.final and not event.index:
             sys.stdout.write(event.text)
         sys.stdout.flush()
         try:
@@ -199,6 +204,8 @@ def _print_events(events: Iterator[Event], job_id: str, *, as_json: bool, live: 
             _print_json(result.to_dict())
         elif not as_json:
             sys.stdout.write("\n" if live else result.text + "\n")
+            for choice in result.choices[1:]:
+                sys.stdout.write(f"[{choice.index}] {choice.text}\n")
     return 0
 
 

@@ -76,22 +76,25 @@ def output_line(record: dict[str, Any], *, created: int) -> tuple[bool, dict[str
         line["error"] = {"code": code, "message": record["error"]}
         return False, line
     kind = ENDPOINTS.get(str(record.get("url")), CHAT)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "finish_reason": record["finish_reason"],
-        "logprobs": None,
-    }
-    if kind == CHAT:
-        choice["message"] = {"role": "assistant", "content": record["text"]}
-    else:
-        choice["text"] = record["text"]
+    choices = []
+    for index, end in enumerate(record.get("choices") or [record]):
+        choice: dict[str, Any] = {
+            "index": end.get("index", index),
+            "finish_reason": end["finish_reason"],
+            "logprobs": None,
+        }
+        if kind == CHAT:
+            choice["message"] = {"role": "assistant", "content": end["text"]}
+        else:
+            choice["text"] = end["text"]
+        choices.append(choice)
     usage = record.get("usage") or {}
     body = {
         "id": completion_id(kind, job_id),
         "object": kind,
         "created": created,
         "model": record.get("model"),
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_dict(Usage.model_validate(usage) if usage else None),
     }
     line["response"] = {"status_code": 200, "request_id": job_id, "body": body}

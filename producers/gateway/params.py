@@ -2,7 +2,7 @@
 
 Every body key is either mapped onto a JobRequest field, accepted because it
 changes nothing batchd computes (``user``, ``stream``, a neutral value such as
-``n: 1`` or ``frequency_penalty: 0``), or refused with a 400 naming it: a
+``best_of: 1``), or refused with a 400 naming it: a
 client that asks for something batchd would not do must hear so, never get a
 silently different answer. Defaults follow OpenAI's (temperature 1; 16
 tokens for legacy completions), not JobRequest's.
@@ -22,7 +22,6 @@ MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
 
 # Keys whose neutral value is accepted; anything else is refused (engine lacks it).
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
@@ -38,14 +37,13 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "metadata": lambda v: v is None or isinstance(v, dict),  # tags: kept on the job
 }
 WHY_REFUSED = {
-    "n": "greater than 1 is not supported yet (one completion per request)",
     "best_of": "greater than 1 is not supported yet",
     "metadata": "must be an object",
     "top_logprobs": "is not supported: the gateway has no tokenizer to name alternative "
     "tokens (logprobs: true gives each generated token's logprob)",
 }
 # OpenAI's sampling controls that map one to one onto job fields.
-SAME_NAME = ("top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
+SAME_NAME = ("top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "n")
 # Sampling extras batchd has beyond OpenAI's set (vLLM takes the same names).
 EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "priority")
 

@@ -4,6 +4,8 @@ A chat completion's id is ``chatcmpl-<job id>`` and a text completion's
 ``cmpl-<job id>``, so a response can always be traced to its job.
 ``finish_reason`` is OpenAI's ``stop`` or ``length``; a job that ended
 cancelled, failed or expired has no OpenAI completion and is reported as an error.
+A job with ``n`` > 1 answers with n choices, each event's ``index`` naming its
+choice; streamed, the final chunk carries every choice's finish_reason.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Shaper:
         self.model = model
         self.logprobs = logprobs
         self.created = int(time.time())
-        self.first = True
+        self.started: set[int] = set()  # choices whose first chunk went out
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -69,36 +71,45 @@ class Shaper:
         }
 
     def whole(self, tokens: list[Event], final: Event) -> dict[str, Any]:
-        """The non-streaming answer: the final event's full text and usage."""
-        text = final.text if final.text else "".join(e.text for e in tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(final)}
-        if self.kind == CHAT:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(tokens)
-        out = self._envelope(self.kind, [choice])
+        """The non-streaming answer: each choice's full text, and the usage."""
+        choices = []
+        for index, text, reason in _ends(final):
+            mine = [e for e in tokens if (e.index or 0) == index]
+            choice: dict[str, Any] = {"index": index, "finish_reason": reason}
+            text = text or "".join(e.text for e in mine)
+            if self.kind == CHAT:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs(mine)
+            choices.append(choice)
+        out = self._envelope(self.kind, choices)
         out["usage"] = usage_dict(final.usage)
         return out
 
     def chunk(self, event: Event) -> dict[str, Any]:
-        """A stream chunk for one token event (or the final event's finish_reason)."""
-        reason = _reason(event) if event.final else None
-        text = "" if event.final else event.text
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        """A stream chunk for one token event (or, for the final event, every choice's
+        finish_reason)."""
+        if event.final:
+            choices = [self._choice(i, "", reason) for i, _, reason in _ends(event)]
+        else:
+            choices = [self._choice(event.index or 0, event.text, None)]
+            choices[0]["logprobs"] = self._logprobs([event])
+        obj = "chat.completion.chunk" if self.kind == CHAT else TEXT
+        return self._envelope(obj, choices)
+
+    def _choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": reason}
         if self.kind == CHAT:
-            delta: dict[str, Any] = {"content": text} if text or not self.first else {}
-            if self.first:
+            delta: dict[str, Any] = {"content": text} if text or index in self.started else {}
+            if index not in self.started:
                 delta = {"role": "assistant", "content": text}
             choice["delta"] = delta
-            obj = "chat.completion.chunk"
         else:
             choice["text"] = text
-            obj = TEXT
-        tokens = [event] if not event.final else []
-        choice["logprobs"] = self._logprobs(tokens) if tokens else None
-        self.first = False
-        return self._envelope(obj, [choice])
+        choice["logprobs"] = None
+        self.started.add(index)
+        return choice
 
     def usage_chunk(self, final: Event) -> dict[str, Any]:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
@@ -108,6 +119,9 @@ class Shaper:
         return out
 
 
-def _reason(final: Event) -> str:
+def _ends(final: Event) -> list[tuple[int, str, str]]:
+    """(index, full text, finish_reason) of each choice a final event ends."""
+    if final.choices:
+        return [(c.index, c.text, c.finish_reason.value) for c in final.choices]
     assert final.finish_reason is not None
-    return final.finish_reason.value
+    return [(0, final.text, final.finish_reason.value)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from daemon.cli import main
 from producers.errors import ValidationError
 from producers.keys import Keys, event_id, seq_of
 from producers.schema import (
+    Choice,
     Event,
     FinishReason,
     JobState,
@@ -23,6 +25,7 @@ from producers.schema import (
     parse_job,
     protocol_schema,
     protocol_schema_json,
+    sequence_seed,
     validate_job,
 )
 
@@ -57,6 +60,9 @@ USER = {"role": "user", "content": "hi"}
         ({"prompt": "a", "messages": [USER]}, "job", "got prompt, messages"),
         ({"messages": []}, "messages", "at least 1"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
+        ({"prompt": "a", "n": 0}, "n", "greater than or equal to 1"),
+        ({"prompt": "a", "n": 17}, "n", "less than or equal to 16"),
+        ({"prompt": "a", "n": 2.0}, "n", "valid integer"),
     ],
 )
 def test_bad_job_names_field(job: dict[str, Any], field: str, words: str) -> None:
@@ -82,6 +88,7 @@ def test_limits_come_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"prompt": "abcdef", "max_tokens": 8}, "prompt", "6 characters exceed the limit 5"),
         ({"messages": [USER, USER], "max_tokens": 8}, "messages", "2 messages exceed"),
         ({"prompt_token_ids": [1, 2, 3], "max_tokens": 8}, "prompt_token_ids", "3 tokens"),
+        ({"prompt": "a", "max_tokens": 40, "n": 3}, "n", "n=3 sequences of max_tokens=40"),
     ]
     for job, field, words in cases:
         with pytest.raises(ValidationError) as err:
@@ -125,6 +132,22 @@ def test_event_and_ids_round_trip(seq: int, text: str, token: int) -> None:
     event = Event(seq=seq, token_id=token, text=text)
     assert Event.decode(event.encode()) == event
     assert seq_of(event_id(seq)) == seq and seq_of(event_id(seq).encode()) == seq
+
+
+def test_sequence_events_round_trip_and_n1_events_do_not_change() -> None:
+    token = Event(seq=4, index=2, token_id=7, text="x")
+    ended = Choice(index=1, text="ab", finish_reason=FinishReason.length, completion_tokens=2)
+    final = Event(seq=5, finish_reason=FinishReason.stop, choices=[ended])
+    assert Event.decode(token.encode()) == token and Event.decode(final.encode()) == final
+    assert Event(seq=0, token_id=7, text="x").encode() == b'{"seq":0,"token_id":7,"text":"x"}'
+
+
+def test_sequence_seeds_are_documented_and_distinct() -> None:
+    assert sequence_seed(42, 0) == 42
+    assert len({sequence_seed(42, i) for i in range(16)}) == 16
+    assert all(0 <= sequence_seed(2**63 - 1, i) < 2**63 for i in range(16))
+    digest = hashlib.blake2b(b"42:3", digest_size=8).digest()
+    assert sequence_seed(42, 3) == int.from_bytes(digest, "little") >> 1
 
 
 def test_status_hash_round_trip() -> None:

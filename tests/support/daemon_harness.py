@@ -343,6 +343,17 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float = 10, what: str 
 
 # -- jobs for the real engine ---------------------------------------------------------------
 
+
+def drain(eng: Any) -> tuple[list[int], list[str]]:
+    """Step an engine (an engine.LLMEngine) until it is idle: every output's token and text."""
+    tokens, texts = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.append(out.token_id)
+            texts.append(out.text)
+    return tokens, texts
+
+
 # Small enough that 30 jobs need many steps (preemption-free: the pool fits them all).
 ENGINE_OPTS: dict[str, Any] = {
     "max_num_seqs": 8,

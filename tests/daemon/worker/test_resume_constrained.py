@@ -14,7 +14,7 @@ from daemon.bench.constrained import NESTED_SCHEMA
 from engine import LLMEngine, SamplingParams
 from engine.constraints import Constraint
 from producers.schema import FinishReason, validate_job
-from support.daemon_harness import crash_then_resume
+from support.daemon_harness import crash_then_resume, drain
 from support.redis_server import RedisServer
 
 CUT = 20
@@ -37,12 +37,7 @@ def _uninterrupted(eng: LLMEngine) -> tuple[list[int], list[str]]:
         prompt_token_ids=request.prompt_token_ids,
         params=SamplingParams(**request.sampling(), constraint=constraint),
     )
-    tokens, texts = [], []
-    while eng.has_unfinished():
-        for out in eng.step():
-            tokens.append(out.token_id)
-            texts.append(out.text)
-    return tokens, texts
+    return drain(eng)
 
 
 def test_kill_mid_json_resumes_exactly(

@@ -49,18 +49,24 @@ def run_worker(redis_url: str) -> None:
 
 def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
     lines = [chat_line(f"req-{i}", f"prompt {i}", max_tokens=5, temperature=0) for i in range(4)]
-    lines.append(chat_line("bad", "x", n=3))
+    lines.append(chat_line("bad", "x", best_of=3))
+    lines.append(chat_line("two", "prompt 2", max_tokens=5, temperature=0, n=2))
     batch = start_batch(oai, tmp_path, lines)
     assert batch.status == "validating"
     run_worker(gateway.redis_url)
     done = oai.batches.retrieve(batch.id)
     assert done.status == "completed", done
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed) == (5, 4)
+    assert (done.request_counts.total, done.request_counts.completed) == (6, 5)
     assert done.request_counts.failed == 1
     assert done.output_file_id and done.error_file_id
     output = [orjson.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
-    assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(4)]
+    assert [o["custom_id"] for o in output] == [*(f"req-{i}" for i in range(4)), "two"]
+    two = output[4]["response"]["body"]
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][0]["message"] == two["choices"][1]["message"]  # greedy: equal
+    assert two["choices"][0]["message"] == output[2]["response"]["body"]["choices"][0]["message"]
+    assert two["usage"]["completion_tokens"] == 10
     online = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "prompt 2"}], max_tokens=5, temperature=0
     )
@@ -68,7 +74,7 @@ def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> N
     assert body["choices"][0]["message"]["content"] == online.choices[0].message.content
     assert body["usage"]["completion_tokens"] == 5
     errors = [orjson.loads(x) for x in oai.files.content(done.error_file_id).text.splitlines()]
-    assert errors[0]["custom_id"] == "bad" and "n" in errors[0]["error"]["message"]
+    assert errors[0]["custom_id"] == "bad" and "best_of" in errors[0]["error"]["message"]
 
 
 def test_batch_cancelled_before_it_runs(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:

@@ -73,6 +73,35 @@ def test_chat_stream_chunks_and_usage(oai: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_n_choices_whole_and_streamed(
+    gateway: Any, oai: openai.OpenAI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options: dict[str, Any] = {"max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 3}
+    whole = oai.chat.completions.create(model=MODEL, messages=HELLO, **options)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage is not None and whole.usage.completion_tokens == 18
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **options))
+    texts: dict[int, str] = {}
+    ends: dict[int, str | None] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                ends[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    firsts = [next(c for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert all(c.choices[0].delta.role == "assistant" for c in firsts)
+    text = oai.completions.create(model=MODEL, prompt="Tell", **options)
+    assert len({c.text for c in text.choices}) > 1
+    argv = ["--redis-url", gateway.redis_url, "submit", "Tell", "--max-tokens", "6"]
+    assert (
+        cli_main([*argv, "--temperature", "1", "--seed", "9", "-n", "3", "--wait", "--json"]) == 0
+    )
+    printed = orjson.loads(capsys.readouterr().out)
+    assert [c["text"] for c in printed["choices"]] == [c.text for c in text.choices]
+
+
 def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
     async def run() -> tuple[list[str], Any]:
         async with openai.AsyncOpenAI(
@@ -107,7 +136,7 @@ def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"frequency_penalty": 5}, "frequency_penalty"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
         ({"response_format": {"type": "regex", "regex": "a+"}}, "response_format"),

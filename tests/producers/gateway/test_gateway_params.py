@@ -70,6 +70,6 @@ def test_refusals_name_the_param(body: dict[str, Any], param: str) -> None:
 
 def test_neutral_values_are_accepted() -> None:
     mapped = chat(
-        n=1, frequency_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u"
+        best_of=1, frequency_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u"
     )
-    assert "n" not in mapped.job
+    assert "best_of" not in mapped.job

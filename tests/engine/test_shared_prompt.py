@@ -1,0 +1,109 @@
+"""Sequences that follow a sibling (the n samples of one job) share its prompt's KV blocks.
+
+A follower is admitted once its sibling has computed the full blocks of their common
+prompt and takes them from the prefix cache: the prompt is prefilled once (plus each
+follower's last, partial block), the pool holds one copy of its full blocks, and
+every sequence still produces exactly what it would alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import engine  # noqa: F401  (OpenBLAS before MLX)
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.models.loader import LoadedModel, load
+from tests.engine.parity_harness import Reference, Req, check_parity
+
+BLOCK = 16
+PROMPT = [(37 * j) % 900 + 40 for j in range(70)]  # 4 full blocks + 6 tokens
+N = 4
+MAX_TOKENS = 10  # the tail (6 prompt tokens + outputs) stays in one block
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: Path) -> LoadedModel:
+    return load(tiny_model)
+
+
+def _engine(loaded: LoadedModel, *, prefix_caching: bool = True) -> LLMEngine:
+    config = EngineConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        num_kv_blocks=256,
+        block_size=BLOCK,
+        enable_prefix_caching=prefix_caching,
+    )
+    return LLMEngine(loaded, config)
+
+
+def _run(
+    eng: LLMEngine, params: list[SamplingParams], *, follow: bool
+) -> tuple[list[list[int]], int, int]:
+    """Outputs of N requests of PROMPT; prefill tokens computed; most blocks in use."""
+    for i, p in enumerate(params):
+        leader = "s0" if follow and i else None
+        eng.add_request(f"s{i}", prompt_token_ids=PROMPT, params=p, follows=leader)
+    outputs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(params))}
+    prefill = peak = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            outputs[out.request_id].append(out.token_id)
+        stats = eng.last_step_stats
+        prefill += stats.num_prefill_tokens
+        peak = max(peak, stats.kv_blocks_used)
+    return [outputs[f"s{i}"] for i in range(len(params))], prefill, peak
+
+
+def test_followers_compute_the_prompt_once_and_share_its_blocks(loaded: LoadedModel) -> None:
+    greedy = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * N
+    shared, shared_prefill, shared_peak = _run(_engine(loaded), greedy, follow=True)
+    alone, alone_prefill, alone_peak = _run(_engine(loaded), greedy, follow=False)
+
+    full_blocks = len(PROMPT) // BLOCK
+    partial = len(PROMPT) - full_blocks * BLOCK
+    # The leader prefills the whole prompt, each follower only its partial last block.
+    assert shared_prefill == len(PROMPT) + (N - 1) * partial
+    assert alone_prefill == N * len(PROMPT)
+    # One copy of the full blocks, plus each sequence's own tail (prompt rest + outputs).
+    tail = -(-(partial + MAX_TOKENS - 1) // BLOCK)
+    assert shared_peak == full_blocks + N * tail
+    assert alone_peak == N * (full_blocks + tail)
+    # Greedy: all equal, and equal to mlx-lm's output for the prompt alone.
+    assert shared == alone
+    assert all(out == shared[0] for out in shared)
+    check_parity(Reference(loaded.model), [Req(tuple(PROMPT), MAX_TOKENS)], shared[:1])
+
+
+def test_seeded_followers_sample_as_they_would_alone(loaded: LoadedModel) -> None:
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i, ignore_eos=True)
+        for i in range(N)
+    ]
+    shared, _, _ = _run(_engine(loaded), params, follow=True)
+    for i, p in enumerate(params):
+        alone, _, _ = _run(_engine(loaded), [p], follow=False)
+        assert shared[i] == alone[0]
+    assert len({tuple(out) for out in shared}) > 1
+
+
+def test_a_follower_goes_on_alone_when_its_leader_is_aborted(loaded: LoadedModel) -> None:
+    eng = _engine(loaded)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.add_request("lead", prompt_token_ids=PROMPT, params=greedy)
+    eng.add_request("next", prompt_token_ids=PROMPT, params=greedy, follows="lead")
+    eng.abort("lead")
+    outputs = []
+    while eng.has_unfinished():
+        outputs += [o.token_id for o in eng.step()]
+    assert outputs == eng.generate([PROMPT], greedy)[0]
+
+
+def test_followers_share_nothing_without_prefix_caching(loaded: LoadedModel) -> None:
+    greedy = [SamplingParams(max_tokens=4, ignore_eos=True)] * 2
+    eng = _engine(loaded, prefix_caching=False)
+    outputs, prefill, _ = _run(eng, greedy, follow=True)
+    assert prefill == 2 * len(PROMPT)
+    assert outputs[0] == outputs[1]
