@@ -74,6 +74,8 @@ class LLMEngine:
         )
         self.last_step_stats: StepStats = StepStats(step=0)
         self._requests: dict[str, RequestState] = {}
+        # request id -> its prompt's logprobs so far (requests that asked, until delivered)
+        self._prompt_logprobs: dict[str, list[float]] = {}
         self._num_steps = 0
         self._rng = random.Random()
 
@@ -168,10 +170,13 @@ class LLMEngine:
             seq.follow(leader, block_size=self.config.block_size)
         self.scheduler.add(seq)
         self._requests[request_id] = state
+        if params.prompt_logprobs:
+            self._prompt_logprobs[request_id] = [0.0] * (seq.num_prompt_tokens - 1)
         return None
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now, freeing its KV blocks; False if it was not live."""
+        self._prompt_logprobs.pop(request_id, None)
         if self._requests.pop(request_id, None) is None:
             return False
         self.scheduler.abort(request_id)
@@ -188,12 +193,17 @@ class LLMEngine:
             self.last_step_stats = self._stats(scheduled, start, 0.0, 0)
             return []
         sampling = [c for c in scheduled.chunks if c.samples]
-        logits = self.runner.execute(scheduled.chunks)
+        targets = self._prompt_targets(scheduled.chunks)
+        logits, scores = self.runner.execute_scored(scheduled.chunks, targets)
         if logits is not None:
             # The grammar masks are built while the forward runs.
             mx.async_eval(logits)  # type: ignore[no-untyped-call]
         allowed = self._grammar_masks(sampling)
         host = None if logits is None else np.array(logits.astype(mx.float32))
+        for i, score in scores.items():
+            chunk = scheduled.chunks[i]
+            values = self._prompt_logprobs[chunk.seq.seq_id]
+            values[chunk.start : chunk.start + len(targets[i])] = np.array(score).tolist()
         forward_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
         if host is None:
@@ -282,6 +292,18 @@ class LLMEngine:
                 f"[0, {self.spec.vocab_size})"
             )
 
+    def _prompt_targets(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[int]]:
+        """For each chunk of a request still owed its prompt's logprobs, the prompt tokens
+        its positions predict (the one after each), by chunk index."""
+        targets = {}
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if seq.seq_id in self._prompt_logprobs:
+                count = min(chunk.num_tokens, seq.num_prompt_tokens - 1 - chunk.start)
+                if count > 0:
+                    targets[i] = seq.tokens(chunk.start + 1, chunk.start + 1 + count)
+        return targets
+
     def _grammar_masks(self, sampling: Sequence[ScheduledChunk]) -> dict[str, np.ndarray]:
         """The allowed tokens of every constrained row of this step, by request id."""
         ids = [c.seq.seq_id for c in sampling if self._requests[c.seq.seq_id].matcher]
@@ -328,6 +350,7 @@ class LLMEngine:
             finish_reason=verdict.finish_reason,
             top_logprobs=top,
             error=error,
+            prompt_logprobs=self._prompt_logprobs.pop(request_id, None),
         )
 
     def _stats(

@@ -23,6 +23,9 @@ class RequestOutput:
     request's last token (stop or length) and None while it runs; ``error``
     says why when it is ``error`` (the request's grammar refused or failed:
     then ``token_id`` is the refused token, not an output).
+    ``prompt_logprobs``, on the first output of a request that asked for them, holds
+    for each prompt token after the first its log-probability given the tokens
+    before it (raw model logits, float32 log-softmax).
     """
 
     request_id: str
@@ -34,6 +37,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
+    prompt_logprobs: list[float] | None = None
 
 
 class ChunkKind(str, Enum):

@@ -70,6 +70,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"(token id, bias in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]) pairs",
     ),
     "min_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "prompt_logprobs": (lambda v: isinstance(v, bool), "a bool"),
     "constraint": (lambda v: v is None or isinstance(v, Constraint), "a Constraint or None"),
 }
 
@@ -88,6 +89,9 @@ class SamplingParams:
     occurrence (mlx-lm's processors, README: Structured output and sampling
     controls); `min_tokens` forbids the end tokens before that many outputs;
     `constraint` restricts the output to a grammar (JSON schema, regex, ...).
+    `prompt_logprobs` asks for the log-probability of each prompt token given the
+    ones before it (the model's raw logits: no processor applies to the prompt); the
+    prompt is then computed whole, never taken from the prefix cache.
     Lists given for `stop` / `stop_token_ids` / `logit_bias` are stored as tuples.
 
     Raises ValueError naming the field and the bad value.
@@ -109,6 +113,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     constraint: Constraint | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         for field, (valid, rule) in _RULES.items():

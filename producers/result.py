@@ -35,6 +35,8 @@ class JobResult:
 
     ``choices`` holds every sequence of the job, in index order (one for n=1); ``text``,
     ``token_ids`` and ``finish_reason`` are sequence 0's, ``usage`` counts them all.
+    ``prompt_logprobs`` (jobs that asked) pairs each prompt token with its logprob given
+    the ones before it (None for the first).
     """
 
     id: str
@@ -45,9 +47,11 @@ class JobResult:
     timings: Timings | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     choices: list[SequenceResult] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, float | None]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The result as JSON; ``choices`` only for a job with n > 1."""
+        """The result as JSON; ``choices`` only for a job with n > 1, ``prompt_logprobs`` only
+        when asked for."""
         data: dict[str, Any] = {
             "id": self.id,
             "text": self.text,
@@ -59,6 +63,8 @@ class JobResult:
         }
         if len(self.choices) > 1:
             data["choices"] = [choice.to_dict() for choice in self.choices]
+        if self.prompt_logprobs is not None:
+            data["prompt_logprobs"] = self.prompt_logprobs
         return data
 
 
@@ -70,11 +76,14 @@ class ResultBuilder:
         # sequence index -> its token ids and text pieces
         self.token_ids: dict[int, list[int]] = {}
         self.pieces: dict[int, list[str]] = {}
+        self.prompt_logprobs: list[tuple[int, float | None]] | None = None
 
     def add(self, event: Event) -> JobResult | None:
         """None until the final event; raises JobFailed if the job did not finish well."""
         index = event.index or 0
         if not event.final:
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs = event.prompt_logprobs
             if event.token_id is not None:
                 self.token_ids.setdefault(index, []).append(event.token_id)
             self.pieces.setdefault(index, []).append(event.text)
@@ -103,4 +112,5 @@ class ResultBuilder:
             timings=event.timings,
             metadata=event.metadata or {},
             choices=choices,
+            prompt_logprobs=self.prompt_logprobs,
         )

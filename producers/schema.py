@@ -209,6 +209,11 @@ class JobRequest(_StrictTypes):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     logprobs: int = Field(0, ge=0, le=20, description="Top-N logprobs per token (0: only none).")
+    prompt_logprobs: bool = Field(
+        False,
+        description="Return each prompt token's logprob given the ones before it (in the "
+        "first token event); the prompt is then computed whole, not taken from the prefix cache.",
+    )
     n: int = Field(
         1,
         ge=1,
@@ -315,6 +320,7 @@ class JobRequest(_StrictTypes):
                 "presence_penalty",
                 "frequency_penalty",
                 "min_tokens",
+                "prompt_logprobs",
             }
         ) | {"logit_bias": tuple((int(t), b) for t, b in self.logit_bias.items())}
 
@@ -489,6 +495,11 @@ class Event(_Strict):
     text: str = ""
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[tuple[int, float | None]] | None = Field(
+        None,
+        description="[token id, logprob] of each prompt token, the first's logprob null "
+        "(on the first token event of a job that asked, sequence 0's for n > 1).",
+    )
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None

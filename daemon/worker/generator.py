@@ -59,6 +59,8 @@ class TokenOut:
     error: str | None = None
     # The sequence of a job with n > 1 (JobStart.index); finish_reason ends that one only.
     index: int = 0
+    # On the first output of a job that asked: each prompt token's logprob after the first.
+    prompt_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)

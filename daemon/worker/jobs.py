@@ -136,8 +136,10 @@ class Job:
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
         index: int = 0,
+        prompt_logprobs: list[float] | None = None,
     ) -> None:
-        """Append one generated token of sequence ``index`` as the next seq."""
+        """Append one generated token of sequence ``index`` as the next seq, with the
+        prompt's logprobs (after its first token) when they come with it."""
         assert not self.ended, f"job {self.job_id}: token after the final event"
         if self.timings.first_token is None:
             self.timings.first_token = time.time()
@@ -150,6 +152,9 @@ class Job:
                 text=text,
                 logprob=logprob,
                 top_logprobs=top_logprobs,
+                prompt_logprobs=None
+                if prompt_logprobs is None
+                else list(zip(self.prompt_token_ids, [None, *prompt_logprobs], strict=True)),
             )
         )
         self._take(index, token_id, text)

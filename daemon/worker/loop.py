@@ -230,6 +230,7 @@ class Worker:
                         logprob=out.logprob,
                         top_logprobs=out.top_logprobs,
                         index=out.index,
+                        prompt_logprobs=out.prompt_logprobs,
                     )
                 if out.finish_reason is not None:
                     self._sequence_ended(job, out.index, out.finish_reason, out.error)

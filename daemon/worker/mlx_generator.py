@@ -43,6 +43,8 @@ class MLXGenerator:
         sampling = job.request.sampling()
         if job.request.seed is not None:
             sampling["seed"] = sequence_seed(job.request.seed, job.index)
+        # Sequence 0 carries the prompt's logprobs; a resumed one has published them.
+        sampling["prompt_logprobs"] &= job.index == 0 and not job.emitted
         siblings = self._sequences.setdefault(job.job_id, [])
         request_id = _request_id(job.job_id, job.index)
         try:
@@ -86,6 +88,7 @@ class MLXGenerator:
                     else FinishReason(out.finish_reason.value),
                     error=out.error,
                     index=int(index) if index else 0,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
             )
         return outs

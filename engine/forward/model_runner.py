@@ -5,7 +5,8 @@ of ids, so embeddings, projections, norms and the MLP run once over the
 whole batch with no padding. Each token carries its own RoPE position (rows
 of length 1 with an array offset). New K/V are scattered into the pool by
 slot; attention then reads every sequence through its block table (see
-engine.forward.paged_attention). Logits are computed only for rows that sample.
+engine.forward.paged_attention). Logits are computed only for rows that sample, and
+for the prompt rows of a request that asked for its prompt's logprobs.
 
 On a multi-core CPU, decode attention runs on several MLX streams at once
 (one thread each): decode groups are cut into lanes (engine.forward.paged_attention).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -105,6 +106,7 @@ class _Plan:
     prefills: list[PrefillChunk]
     sample_rows: mx.array | None
     sample_order: list[int]  # chunk index of each sampled row, in row order
+    first_rows: dict[int, int]  # chunk index -> its first packed row
 
 
 class ModelRunner:
@@ -145,13 +147,33 @@ class ModelRunner:
         The result is lazy; the pool's arrays are updated in place (lazily too:
         evaluate the logits, or ``pool.k``/``pool.v`` when nothing samples).
         """
+        return self.execute_scored(chunks, {})[0]
+
+    def execute_scored(
+        self, chunks: Sequence[ChunkInput], targets: Mapping[int, Sequence[int]]
+    ) -> tuple[mx.array | None, dict[int, mx.array]]:
+        """:meth:`execute`, and for each chunk index in ``targets`` the log-probabilities
+        (float32 log-softmax of the logits) of its target tokens: target k is scored at
+        the chunk's k-th token, so it is the token that follows it. Only the rows of
+        those chunks go through the output projection for it."""
         if not chunks:
-            return None
+            return None, {}
         plan = self._plan(chunks)
         hidden = self._forward(plan)
+        scores = {i: self._score(hidden, plan.first_rows[i], t) for i, t in targets.items()}
         if plan.sample_rows is None:
-            mx.eval(self.pool.k, self.pool.v)
-            return None
+            mx.eval(self.pool.k, self.pool.v, *scores.values())
+            return None, scores
+        return self._sampled_logits(hidden, plan), scores
+
+    def _score(self, hidden: mx.array, first_row: int, targets: Sequence[int]) -> mx.array:
+        logits = self._logits(hidden[first_row : first_row + len(targets)]).astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = mx.array(np.asarray(targets, dtype=np.int32))[:, None]
+        return mx.take_along_axis(logprobs, picked, axis=-1)[:, 0]
+
+    def _sampled_logits(self, hidden: mx.array, plan: _Plan) -> mx.array:
+        assert plan.sample_rows is not None
         logits = self._logits(hidden[plan.sample_rows])
         if plan.sample_order != sorted(plan.sample_order):
             # Sampled rows come out in packed order; hand them back in chunk order.
@@ -171,11 +193,13 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_order: list[int] = []
+        first_rows: dict[int, int] = {}
         for i in order:
             c = chunks[i]
             n = len(c.token_ids)
             if len(c.slots) != n:
                 raise ValueError(f"chunk {i}: {n} tokens but {len(c.slots)} slots")
+            first_rows[i] = len(tokens)
             tokens.extend(c.token_ids)
             positions.extend(range(c.start, c.start + n))
             slots.extend(c.slots)
@@ -223,6 +247,7 @@ class ModelRunner:
             prefills=prefill_chunks,
             sample_rows=mx.array(np.asarray(sample_rows, dtype=np.int32)) if sample_rows else None,
             sample_order=sample_order,
+            first_rows=first_rows,
         )
 
     def _forward(self, plan: _Plan) -> mx.array:

@@ -104,8 +104,12 @@ class BlockManager:
 
         At most the full blocks before the last token: a hit never covers the
         whole sequence, so at least one token is computed and sampled from.
+        Nothing for a sequence that wants its prompt's logprobs and has no output
+        yet: every prompt position must then be computed.
         """
         if not self.enable_prefix_caching:
+            return []
+        if seq.params.prompt_logprobs and not seq.num_output_tokens:
             return []
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):

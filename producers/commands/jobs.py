@@ -45,6 +45,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--min-tokens", type=int, metavar="N", help="no end token before N outputs")
     p.add_argument("-n", "--n", type=int, metavar="N", help="generate N sequences of the prompt")
+    p.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        default=None,
+        help="return each prompt token's logprob (shown with --json)",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", metavar="FILE", help="output valid for this JSON schema")
     fmt.add_argument(
@@ -129,6 +135,7 @@ def submit(args: argparse.Namespace, settings: Settings) -> int:
         "frequency_penalty": args.frequency_penalty,
         "min_tokens": args.min_tokens,
         "n": args.n,
+        "prompt_logprobs": args.prompt_logprobs,
         "logit_bias": _logit_bias(args.logit_bias),
         "response_format": _response_format(args.json_schema, args.response_format),
     }

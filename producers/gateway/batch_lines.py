@@ -17,7 +17,7 @@ import orjson
 from producers.errors import ValidationError
 from producers.gateway.errors import APIError
 from producers.gateway.params import chat_request, completion_request
-from producers.gateway.shapes import CHAT, TEXT, completion_id, usage_dict
+from producers.gateway.shapes import CHAT, TEXT, add_prompt_logprobs, completion_id, usage_dict
 from producers.schema import Usage
 
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": TEXT}
@@ -97,6 +97,8 @@ def output_line(record: dict[str, Any], *, created: int) -> tuple[bool, dict[str
         "choices": choices,
         "usage": usage_dict(Usage.model_validate(usage) if usage else None),
     }
+    if record.get("prompt_logprobs"):
+        add_prompt_logprobs(kind, body, record["prompt_logprobs"])
     line["response"] = {"status_code": 200, "request_id": job_id, "body": body}
     line["error"] = None
     return True, line

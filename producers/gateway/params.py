@@ -93,6 +93,7 @@ def _common(
     if stream not in (True, False, None):
         raise invalid("stream", "must be a boolean")
     include_usage = _stream_options(body.pop("stream_options", None), stream=bool(stream))
+    job.update(_prompt_logprobs(body.pop("prompt_logprobs", None), stream=bool(stream)))
     if max_tokens is not None:
         job["max_tokens"] = max_tokens
     temperature = body.pop("temperature", None)
@@ -138,6 +139,20 @@ def _response_format(raw: Any) -> dict[str, Any] | None:
             raise invalid("response_format", "json_schema needs an object with a 'schema'")
         return {"type": "json_schema", "json_schema": spec["schema"]}
     raise unsupported("response_format", "supports the types text, json_object and json_schema")
+
+
+def _prompt_logprobs(value: Any, *, stream: bool) -> dict[str, bool]:
+    """vLLM's ``prompt_logprobs`` as job fields: 0 (or true) gives each prompt token's own
+    logprob; more would name alternatives, which needs a tokenizer the gateway lacks."""
+    if value is None or value is False:
+        return {}
+    if value is not True and not (isinstance(value, int) and value >= 0):
+        raise invalid("prompt_logprobs", "must be a non-negative integer")
+    if value is not True and value != 0:
+        raise unsupported("prompt_logprobs", "above 0 is not supported (no alternatives)")
+    if stream:
+        raise unsupported("prompt_logprobs", "is not supported with stream")
+    return {"prompt_logprobs": True}
 
 
 def _stream_options(options: Any, *, stream: bool) -> bool:

@@ -33,6 +33,19 @@ def usage_dict(usage: Usage | None) -> dict[str, int]:
     }
 
 
+def add_prompt_logprobs(
+    kind: str, body: dict[str, Any], pairs: list[tuple[int, float | None]]
+) -> None:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then ``{"<token id>":
+    {"logprob": x}}`` per token; on the response for chat, on each choice for text."""
+    shaped = [None] + [{str(token): {"logprob": lp}} for token, lp in pairs[1:]]
+    if kind == CHAT:
+        body["prompt_logprobs"] = shaped
+    else:
+        for choice in body["choices"]:
+            choice["prompt_logprobs"] = shaped
+
+
 class Shaper:
     """Builds one request's OpenAI objects; ``kind`` is :data:`CHAT` or :data:`TEXT`."""
 
@@ -84,6 +97,9 @@ class Shaper:
             choice["logprobs"] = self._logprobs(mine)
             choices.append(choice)
         out = self._envelope(self.kind, choices)
+        prompt = next((e.prompt_logprobs for e in tokens if e.prompt_logprobs), None)
+        if prompt is not None:
+            add_prompt_logprobs(self.kind, out, prompt)
         out["usage"] = usage_dict(final.usage)
         return out
 

@@ -133,3 +133,12 @@ def check_parity(ref: Reference, reqs: list[Req], outputs: list[list[int]]) -> P
         )
         report.divergences.append(Divergence(i, diff, margin))
     return report
+
+
+def prompt_logprobs_reference(model: object, prompt: list[int]) -> list[float]:
+    """Each prompt token's logprob given the ones before it, from mlx-lm's forward of the
+    whole prompt (float32 log-softmax): the oracle of prompt_logprobs."""
+    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)  # type: ignore[operator]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logprobs[:-1], mx.array(prompt[1:])[:, None], axis=-1)
+    return [float(x) for x in picked[:, 0].tolist()]  # type: ignore[union-attr]

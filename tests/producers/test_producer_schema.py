@@ -63,6 +63,7 @@ USER = {"role": "user", "content": "hi"}
         ({"prompt": "a", "n": 0}, "n", "greater than or equal to 1"),
         ({"prompt": "a", "n": 17}, "n", "less than or equal to 16"),
         ({"prompt": "a", "n": 2.0}, "n", "valid integer"),
+        ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs", "valid boolean"),
     ],
 )
 def test_bad_job_names_field(job: dict[str, Any], field: str, words: str) -> None:

@@ -2,7 +2,7 @@
 tokens on the one events stream tagged with its index, all n in the result, each sequence
 equal to the engine's in-process output for its own seed, cancel stopping all of them,
 grammars held per sequence, and a daemon killed mid-job resuming each sequence from its
-own published tokens."""
+own published tokens. Prompt logprobs come once, with sequence 0's first token."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -19,6 +20,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.constraints import Constraint
 from producers.client import Client
 from producers.keys import EVENT_FIELD, Keys
+from producers.result import JobResult
 from producers.schema import Event, FinishReason, JobRequest, sequence_seed, validate_job
 from support.daemon_harness import (
     ENGINE_OPTS,
@@ -29,6 +31,7 @@ from support.daemon_harness import (
     worker_thread,
 )
 from support.redis_server import RedisServer
+from tests.engine.parity_harness import prompt_logprobs_reference
 
 PROMPT = [5 + 7 * j for j in range(40)]
 
@@ -62,6 +65,12 @@ def _alone(eng: LLMEngine, request: JobRequest, index: int) -> tuple[list[int], 
     return drain(eng)
 
 
+def _finished(client: Client, **options: Any) -> tuple[JobResult, list[Event]]:
+    """Submit a job of PROMPT and wait: its result and every event."""
+    job = client.submit(prompt_token_ids=PROMPT, **options)
+    return job.result(timeout=60), list(job.stream())
+
+
 def _by_index(events: list[Event]) -> dict[int, list[Event]]:
     out: dict[int, list[Event]] = {}
     for event in events:
@@ -74,9 +83,7 @@ def test_greedy_sequences_all_equal_the_engine_and_are_tagged(
     served: tuple[Worker, Client], reference_engine: LLMEngine
 ) -> None:
     _, client = served
-    job = client.submit(prompt_token_ids=PROMPT, max_tokens=8, n=3, ignore_eos=True)
-    result = job.result(timeout=60)
-    events = list(job.stream())
+    result, events = _finished(client, max_tokens=8, n=3, ignore_eos=True)
     request = validate_job({"prompt_token_ids": PROMPT, "max_tokens": 8, "ignore_eos": True})
     greedy, _ = _alone(reference_engine, request, 0)
     assert [c.index for c in result.choices] == [0, 1, 2]
@@ -87,7 +94,7 @@ def test_greedy_sequences_all_equal_the_engine_and_are_tagged(
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(PROMPT), 24)
     final = events[-1]
     assert final.choices is not None and [c.completion_tokens for c in final.choices] == [8] * 3
-    assert client.status(job.id).completion_tokens == 24
+    assert client.status(result.id).completion_tokens == 24
     # n=1 looks as it always did: no index, no choices.
     single = client.submit(prompt_token_ids=PROMPT, max_tokens=3)
     single.result(timeout=60)
@@ -162,3 +169,17 @@ def test_a_killed_daemon_resumes_each_sequence_from_its_own_tokens(
     final = run.events[-1]
     assert final.finish_reason is FinishReason.length
     assert final.choices is not None and all(c.completion_tokens == 24 for c in final.choices)
+
+
+def test_prompt_logprobs_come_once_with_the_first_token(
+    served: tuple[Worker, Client], reference_engine: LLMEngine
+) -> None:
+    _, client = served
+    result, events = _finished(client, max_tokens=4, n=2, prompt_logprobs=True)
+    assert [e.seq for e in events if e.prompt_logprobs] == [0]
+    assert result.prompt_logprobs is not None
+    assert [t for t, _ in result.prompt_logprobs] == PROMPT
+    assert result.prompt_logprobs[0][1] is None
+    want = prompt_logprobs_reference(reference_engine.model, PROMPT)
+    np.testing.assert_allclose([lp for _, lp in result.prompt_logprobs[1:]], want, atol=1e-4)
+    assert tuple(result.to_dict()["prompt_logprobs"][1]) == result.prompt_logprobs[1]

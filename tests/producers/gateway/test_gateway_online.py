@@ -102,6 +102,30 @@ def test_n_choices_whole_and_streamed(
     assert [c["text"] for c in printed["choices"]] == [c.text for c in text.choices]
 
 
+def test_prompt_logprobs_as_vllm_shapes_them(
+    gateway: Any, oai: openai.OpenAI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = {"prompt_logprobs": 0}
+    text = oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=2, n=2, extra_body=extra
+    )
+    shaped = [c.model_extra["prompt_logprobs"] for c in text.choices]  # type: ignore[index]
+    assert shaped[0] == shaped[1] and shaped[0][0] is None and len(shaped[0]) > 2
+    assert all(len(p) == 1 and list(p.values())[0]["logprob"] <= 0 for p in shaped[0][1:])
+    argv = ["--redis-url", gateway.redis_url, "submit", "Once upon a time", "--max-tokens", "2"]
+    assert cli_main([*argv, "--prompt-logprobs", "--wait", "--json"]) == 0
+    printed = orjson.loads(capsys.readouterr().out)["prompt_logprobs"]
+    assert [[int(t), lp] for t, lp in printed[1:]] == [
+        [int(token), entry["logprob"]] for p in shaped[0][1:] for token, entry in p.items()
+    ]
+    chat = oai.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body=extra)
+    assert chat.model_extra is not None and chat.model_extra["prompt_logprobs"][0] is None
+    for refused in ({"prompt_logprobs": 2}, {"prompt_logprobs": 0, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            oai.completions.create(model=MODEL, prompt="x", extra_body=refused)
+        assert caught.value.param == "prompt_logprobs"
+
+
 def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
     async def run() -> tuple[list[str], Any]:
         async with openai.AsyncOpenAI(
