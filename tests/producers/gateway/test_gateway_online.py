@@ -115,9 +115,10 @@ def test_prompt_logprobs_as_vllm_shapes_them(
     argv = ["--redis-url", gateway.redis_url, "submit", "Once upon a time", "--max-tokens", "2"]
     assert cli_main([*argv, "--prompt-logprobs", "--wait", "--json"]) == 0
     printed = orjson.loads(capsys.readouterr().out)["prompt_logprobs"]
-    assert [[int(t), lp] for t, lp in printed[1:]] == [
-        [int(token), entry["logprob"]] for p in shaped[0][1:] for token, entry in p.items()
-    ]
+    via_gateway = [(int(token), e["logprob"]) for p in shaped[0][1:] for token, e in p.items()]
+    # Same tokens; the values agree to float rounding (the batches around them differ).
+    assert [int(t) for t, _ in printed[1:]] == [t for t, _ in via_gateway]
+    assert [lp for _, lp in printed[1:]] == pytest.approx([lp for _, lp in via_gateway], abs=1e-4)
     chat = oai.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body=extra)
     assert chat.model_extra is not None and chat.model_extra["prompt_logprobs"][0] is None
     for refused in ({"prompt_logprobs": 2}, {"prompt_logprobs": 0, "stream": True}):
