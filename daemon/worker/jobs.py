@@ -81,12 +81,17 @@ class Job:
     stored_events: int = 0
     # A rejected entry whose id names a job that exists: it writes nothing of that job's.
     foreign: bool = False
+    _key: str | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:
         """Where the worker files this job: its id, or for an entry that may not touch the
-        job it names, the entry (several bad entries may name one id)."""
-        return f"entry:{self.delivery.entry_id}" if self.foreign else self.job_id
+        job it names, the entry (several bad entries may name one id). Fixed when first
+        read: an entry found foreign only when its append is refused stays where it was
+        filed, so the worker can still remove it."""
+        if self._key is None:
+            self._key = f"entry:{self.delivery.entry_id}" if self.foreign else self.job_id
+        return self._key
 
     @property
     def next_seq(self) -> int:

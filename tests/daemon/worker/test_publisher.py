@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from daemon.worker.fence import CREATE_ONLY
 from daemon.worker.jobs import Delivery, Job
 from daemon.worker.publisher import Publisher
 from producers.keys import CONSUMER_GROUP, EVENT_FIELD, Keys, event_id
@@ -96,3 +97,31 @@ def test_a_lost_consumer_group_is_created_again(redis_server: RedisServer) -> No
         done = wait_final(client, KEYS, ["after"], timeout=10)
     assert len(done["after"]) == 4
     assert len(events_of(client, KEYS, "before")) == 4  # re-delivered, repaired, not rerun
+
+
+def test_a_rejected_entry_resent_after_a_lost_reply_stays_where_it_was_filed(
+    redis_server: RedisServer,
+) -> None:
+    """A bad entry naming a job that appears between pickup and its create-only append is
+    found foreign only at the append; the worker must still find it under its filing key."""
+    client = redis_server.client()
+    client.xgroup_create(KEYS.queue(), CONSUMER_GROUP, id="0", mkstream=True)
+    entry = client.xadd(KEYS.queue(), {"job": b'{"id": "named", "prompt": 5}'}).decode()
+    client.xreadgroup(CONSUMER_GROUP, "me", {KEYS.queue(): ">"})
+    job = Job(job_id="named", delivery=Delivery("default", entry, {}))
+    job.epoch = CREATE_ONLY
+    job.reject("prompt: not a string")
+    filed = {job.key: job}
+    # A producer's real job of that id lands first.
+    real_event = {EVENT_FIELD: Event(seq=0, token_id=9).encode()}
+    client.xadd(KEYS.events("named"), real_event, id=event_id(0))
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
+    flushes = 0
+    while not publisher.flush([job]).finished:
+        flushes += 1
+        assert flushes < 5, job
+    assert job.foreign
+    del filed[job.key]
+    assert [e.token_id for e in events_of(client, KEYS, "named")] == [9]
+    assert client.xlen(KEYS.dead) == 1
+    assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 0
