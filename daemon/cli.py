@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "daemon.commands.serve",
     "daemon.commands.demo",
     "daemon.commands.bench",
+    "daemon.commands.chaos",
 )
 
 

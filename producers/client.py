@@ -177,12 +177,12 @@ def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
             time.sleep(step.seconds)
         else:
             try:
-                reply = _execute(connection, step)
+                reply = execute_step(connection, step)
             except RECONNECT_ERRORS as exc:
                 error = exc
 
 
-def _execute(connection: redis.Redis, step: Step) -> Any:
+def execute_step(connection: redis.Redis, step: Step) -> Any:
     if isinstance(step, Read):
         return read_reply(connection.xread(step.streams, count=step.count, block=step.block_ms))
     assert isinstance(step, FetchStatus)

@@ -252,10 +252,12 @@ class Follower:
         return ended
 
     def _note_missing(self, cursor: EventCursor, *, found: bool, now: float) -> None:
-        """Raise JobNotFound for a job with no status hash and no event for
-        ``missing_timeout_s``: never submitted, its submit failed, or it expired.
-        (A follower may start just before the submit: hence the wait.)"""
-        if found or cursor.next_seq > 0:
+        """Raise JobNotFound for a job with no status hash for ``missing_timeout_s``: never
+        submitted, its submit failed, it expired, or Redis lost it (a crash that dropped
+        its last second of writes) after some of its events were delivered: waiting for
+        the rest would wait forever. (A follower may start just before the submit, or
+        before a daemon picks up a bare XADD entry: hence the wait.)"""
+        if found:
             cursor.missing_since = None
         elif cursor.missing_since is None:
             cursor.missing_since = now

@@ -38,7 +38,7 @@ from daemon.worker.jobs import Delivery, Job
 from daemon.worker.metrics import Meter
 from daemon.worker.pickup import PickupPolicy
 from daemon.worker.publisher import Piggyback, Publisher
-from daemon.worker.redis_io import REDIS_DOWN, Backoff, connect, refuse_cluster
+from daemon.worker.redis_io import REDIS_DOWN, REDIS_REFUSING, Backoff, connect, refuse_cluster
 from producers.keys import CONSUMER_GROUP, Keys
 from producers.schema import FinishReason
 
@@ -461,7 +461,7 @@ class Worker:
                 self.backoff.up_since -= self.settings.daemon.heartbeat_ttl_s
                 self.heartbeat.start()
                 return True
-            except REDIS_DOWN as exc:
+            except (*REDIS_DOWN, *REDIS_REFUSING) as exc:
                 self.backoff.failed(exc, doing="starting")
                 time.sleep(self.backoff.delay())
         return False
@@ -486,7 +486,7 @@ class Worker:
                         del self.jobs[job.key]
             self.acks.retry()
             self.acks.hand_back(unfinished, idle_ms=self.recovery.min_idle_ms)
-        except REDIS_DOWN as exc:
+        except (*REDIS_DOWN, *REDIS_REFUSING) as exc:
             log.warning("could not store the last events (%s); they will be regenerated", exc)
         if unfinished:
             log.info("%d unfinished job(s) left pending for another daemon", len(unfinished))

@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 
 # Errors that mean "Redis is not reachable now": keep the work, retry later.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# Errors that mean "Redis is up but takes no writes now" (memory full, a replica during a
+# failover): a state of the deployment that passes, not a reason to exit.
+REDIS_REFUSING = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 
 
 class ClusterUnsupported(RuntimeError):

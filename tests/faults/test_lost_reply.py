@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
+from daemon.chaos.proxy import proxy_to
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
-from faults.proxy import proxy_to
 from producers.keys import CONSUMER_GROUP
 from support.daemon_harness import FakeGenerator, enqueue, fast_settings, wait_until, worker_thread
 from support.redis_server import RedisServer

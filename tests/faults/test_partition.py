@@ -12,9 +12,9 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from daemon.chaos.proxy import proxy_to
 from daemon.worker.generator import TokenOut
 from faults.checks import KEYS, fake_jobs, wait_nothing_pending
-from faults.proxy import proxy_to
 from support.daemon_harness import (
     FakeGenerator,
     enqueue,

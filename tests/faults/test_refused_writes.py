@@ -7,15 +7,17 @@ exactly once with the tokens of an uninterrupted run.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
 from support.daemon_harness import FakeGenerator, enqueue, fast_settings, wait_until, worker_thread
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, free_port
 
 
 def _started(client: redis.Redis, job_id: str) -> bool:
@@ -95,3 +97,30 @@ def test_acl_revocation_and_restore_loses_nothing(redis_server: RedisServer) -> 
         assert w.heartbeat._thread.is_alive()
         client.acl_setuser("daemon", enabled=True, commands=["+@all"])
         assert_all_done_once(client, jobs)
+
+
+@pytest.mark.parametrize("refusal", ["oom", "readonly"])
+def test_a_daemon_started_while_redis_refuses_writes_waits_then_serves(
+    redis_server: RedisServer, refusal: str
+) -> None:
+    """Found by `batchd chaos`: a daemon restarted inside a refused-writes window exited
+    with OutOfMemoryError from its first heartbeat instead of waiting the window out."""
+    client = redis_server.client()
+    if refusal == "oom":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+        lift = threading.Timer(1.0, lambda: client.config_set("maxmemory", 0))
+    else:
+        client.replicaof("127.0.0.1", free_port())
+        lift = threading.Timer(1.0, lambda: client.replicaof("NO", "ONE"))
+    jobs = fake_jobs(3, prefix=f"late-{refusal}")
+    started = time.monotonic()
+    lift.start()
+    try:
+        with worker_thread(fast_settings(redis_server.url), FakeGenerator):
+            assert time.monotonic() - started >= 1.0
+            for job in jobs:
+                enqueue(client, KEYS, job)
+            assert_all_done_once(client, jobs)
+    finally:
+        lift.join()

@@ -10,9 +10,9 @@ import time
 import pytest
 import redis
 
+from daemon.chaos.proxy import proxy_to
 from daemon.cli import main as cli_main
 from faults.checks import KEYS
-from faults.proxy import proxy_to
 from producers.client import Client
 from producers.errors import JobNotFound
 from support.redis_server import RedisServer, free_port

@@ -7,6 +7,9 @@ one reply: the network faults a deployment meets, with a real server behind them
 - ``cut()``: every open connection is closed (a restart of a load balancer, say).
 - ``lose_next_reply()``: the next reply from Redis is swallowed and its connection
   closed: Redis executed the command, the client never learns the outcome.
+
+While Redis itself is down the proxy keeps listening and drops each connection it
+cannot forward, so a client behind it sees what it would see without it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from support.redis_server import free_port
+from daemon.redis_server import free_port
 
 CHUNK = 65536
 
@@ -67,7 +70,11 @@ class Proxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # Redis is down: the client sees a dropped connection, as it would
+                _close(client)
+                continue
             with self._lock:
                 self._sockets += [client, server]
             for src, dst, replies in ((client, server, False), (server, client, True)):

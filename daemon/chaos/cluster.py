@@ -1,0 +1,202 @@
+"""The system under test: one redis-server (AOF, ``everysec``) and D ``batchd serve``
+processes, each reaching Redis through its own proxy so one can be partitioned alone.
+
+Every daemon exit the run did not cause is counted (and the daemon restarted, so one
+crash does not hide the rest of the run's findings).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import redis
+
+from config import Settings
+from daemon.chaos.aof import AofTail, Cut
+from daemon.chaos.proxy import Proxy
+from daemon.redis_server import RedisServer
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING = b"serving queues"
+
+
+@dataclass
+class DaemonSlot:
+    """One daemon position: its proxy outlives the processes that fill the slot."""
+
+    index: int
+    proxy: Proxy
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    # Set by the run before a signal it sends, so the exit it causes is not a finding.
+    expecting_exit: bool = False
+    starts: int = 0
+
+
+@dataclass(frozen=True)
+class UnexpectedExit:
+    daemon: int
+    returncode: int
+    log_tail: str
+
+
+@dataclass
+class Cluster:
+    """Start with :meth:`start`; stop with :meth:`stop`."""
+
+    workdir: Path
+    model: Path
+    daemons: int
+    settings: Settings
+    redis_server: RedisServer = field(init=False)
+    aof: AofTail = field(init=False)
+    slots: list[DaemonSlot] = field(default_factory=list)
+    unexpected_exits: list[UnexpectedExit] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _watching: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.redis_server = RedisServer(
+            self.workdir / "redis",
+            appendonly=True,
+            extra_args=["--appendfsync", "everysec", "--aof-load-truncated", "yes"],
+        )
+        self.aof = AofTail(self.redis_server.directory)
+
+    @property
+    def url(self) -> str:
+        return self.redis_server.url
+
+    def admin(self) -> redis.Redis:
+        """A direct connection (no proxy) for the fault injector and the checks."""
+        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
+
+    def start(self) -> Cluster:
+        self.redis_server.start()
+        self.aof.start()
+        for index in range(self.daemons):
+            slot = DaemonSlot(
+                index, Proxy(self.redis_server.port), self.workdir / f"daemon{index}.log"
+            )
+            self.slots.append(slot)
+            self._spawn(slot)
+        for slot in self.slots:
+            self._wait_serving(slot)
+        self._watching.set()
+        threading.Thread(target=self._watch, name="chaos-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._watching.clear()
+        for slot in self.slots:
+            slot.expecting_exit = True
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.send_signal(signal.SIGTERM)
+        for slot in self.slots:
+            if slot.proc is not None:
+                try:
+                    slot.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    slot.proc.kill()
+                    slot.proc.wait(10)
+            slot.proxy.close()
+        self.aof.stop()
+        self.redis_server.stop()
+
+    # -- daemons ----------------------------------------------------------------------------
+
+    def _environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
+        sections = self.settings.model_dump(mode="json", include={"daemon", "engine", "limits"})
+        env.update(
+            {f"BATCHD_{name.upper()}": orjson.dumps(v).decode() for name, v in sections.items()}
+        )
+        env["BATCHD_RESULT_TTL_S"] = str(self.settings.result_ttl_s)
+        env["BATCHD_LOG_LEVEL"] = "INFO"
+        return env
+
+    def _spawn(self, slot: DaemonSlot) -> None:
+        args = [sys.executable, "-m", "daemon.cli", "serve", "--model", str(self.model)]
+        args += ["--redis-url", slot.proxy.url]
+        with open(slot.log_path, "ab") as out:
+            out.write(f"--- start {slot.starts}\n".encode())
+            slot.proc = subprocess.Popen(
+                args, cwd=ROOT, env=self._environment(), stdout=out, stderr=subprocess.STDOUT
+            )
+        slot.starts += 1
+        slot.expecting_exit = False
+
+    def _wait_serving(self, slot: DaemonSlot, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        marker = f"--- start {slot.starts - 1}\n".encode()
+        while time.monotonic() < deadline:
+            text = slot.log_path.read_bytes()
+            if SERVING in text[text.rfind(marker) :]:
+                return
+            if slot.proc is not None and slot.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon {slot.index} did not start:\n{self.log_tail(slot)}")
+
+    def log_tail(self, slot: DaemonSlot, size: int = 3000) -> str:
+        return slot.log_path.read_bytes()[-size:].decode(errors="replace")
+
+    def kill_daemon(self, index: int) -> None:
+        """SIGKILL, then a new process in the slot (as a supervisor would restart it)."""
+        slot = self.slots[index]
+        with self._lock:
+            slot.expecting_exit = True
+            assert slot.proc is not None
+            slot.proc.kill()
+            slot.proc.wait(10)
+            self._spawn(slot)
+
+    def pause_daemon(self, index: int, seconds: float) -> None:
+        """Frozen for ``seconds`` (a GC pause, a swapped-out host), then on again."""
+        _frozen_for(self.slots[index].proc, seconds)
+
+    def _watch(self) -> None:
+        while self._watching.is_set():
+            time.sleep(0.2)
+            for slot in self.slots:
+                with self._lock:
+                    proc = slot.proc
+                    if proc is None or proc.poll() is None or slot.expecting_exit:
+                        continue
+                    exit_ = UnexpectedExit(slot.index, proc.returncode, self.log_tail(slot))
+                    self.unexpected_exits.append(exit_)
+                    log.error("daemon %d exited (%d) unasked", slot.index, proc.returncode)
+                    self._spawn(slot)
+
+    # -- redis ------------------------------------------------------------------------------
+
+    def crash_redis(self) -> Cut:
+        """SIGKILL Redis, drop its unsynced last second, start it again on the same port."""
+        self.redis_server.kill()
+        cut = self.aof.cut()
+        self.redis_server.start(timeout_s=60)
+        return cut
+
+    def pause_redis(self, seconds: float) -> None:
+        _frozen_for(self.redis_server.proc, seconds)
+
+
+def _frozen_for(proc: subprocess.Popen[bytes] | None, seconds: float) -> None:
+    """SIGSTOP, ``seconds``, SIGCONT: the process holds its sockets and answers nothing."""
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        proc.send_signal(signal.SIGCONT)

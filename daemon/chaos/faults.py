@@ -1,0 +1,168 @@
+"""The seeded fault schedule and the thread that injects it.
+
+Faults fire at seeded points of the run's progress (a share of the jobs ended),
+so they land while jobs run whatever the machine's speed. They run one after the
+other; each is held long enough to cross the timeout it targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import redis
+
+from daemon.chaos.cluster import Cluster
+from daemon.chaos.ledger import Ledger
+from daemon.redis_server import free_port
+
+log = logging.getLogger(__name__)
+
+
+class FaultKind(str, Enum):
+    daemon_kill = "daemon SIGKILL + restart"
+    daemon_stop = "daemon SIGSTOP > heartbeat TTL"
+    redis_crash = "Redis SIGKILL, last second lost"
+    redis_pause = "Redis paused > client timeouts"
+    refused_writes = "Redis refuses writes (maxmemory)"
+    read_only = "Redis read-only (demoted replica)"
+    network_partition = "daemon partitioned > heartbeat TTL"
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_progress: float  # share of jobs ended when it fires
+    kind: FaultKind
+    daemon: int
+
+
+@dataclass(frozen=True)
+class Holds:
+    """How long each held fault lasts, from the timeouts it must cross."""
+
+    past_heartbeat_s: float
+    past_socket_timeout_s: float
+    window_s: float
+
+
+def schedule(counts: dict[FaultKind, int], daemons: int, seed: int) -> list[Fault]:
+    rng = random.Random(seed ^ 0xFA17)
+    faults = [
+        Fault(rng.uniform(0.03, 0.85), kind, rng.randrange(daemons))
+        for kind, count in counts.items()
+        for _ in range(count)
+    ]
+    return sorted(faults, key=lambda f: f.at_progress)
+
+
+class Injector:
+    """Runs the schedule against a cluster, waiting for each fault's point of progress."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        ledger: Ledger,
+        faults: list[Fault],
+        holds: Holds,
+        *,
+        progress: Callable[[], float],
+        after_redis_crash: Callable[[float], None],
+    ) -> None:
+        self.cluster = cluster
+        self.ledger = ledger
+        self.faults = faults
+        self.holds = holds
+        self.progress = progress
+        self.after_redis_crash = after_redis_crash
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.fired = 0
+        self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
+
+    def next_point(self) -> float | None:
+        """The share of progress at which the next fault fires; None once all have."""
+        return self.faults[self.fired].at_progress if self.fired < len(self.faults) else None
+
+    def start(self) -> Injector:
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        self.stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        try:
+            for fault in self.faults:
+                while self.progress() < fault.at_progress:
+                    if self.stop.wait(0.1):
+                        return
+                self.inject(fault)
+                self.fired += 1
+        except BaseException as exc:  # reported by the run: a broken injector is a finding
+            log.exception("fault injector failed")
+            self.error = exc
+
+    def inject(self, fault: Fault) -> None:
+        holds, cluster = self.holds, self.cluster
+        detail = f"daemon {fault.daemon}"
+        if fault.kind is FaultKind.daemon_kill:
+            cluster.kill_daemon(fault.daemon)
+        elif fault.kind is FaultKind.daemon_stop:
+            cluster.pause_daemon(fault.daemon, holds.past_heartbeat_s)
+            detail += f", {holds.past_heartbeat_s:.1f}s"
+        elif fault.kind is FaultKind.network_partition:
+            proxy = cluster.slots[fault.daemon].proxy
+            proxy.pause()
+            time.sleep(holds.past_heartbeat_s)
+            proxy.resume()
+            detail += f", {holds.past_heartbeat_s:.1f}s"
+        elif fault.kind is FaultKind.redis_crash:
+            cut = cluster.crash_redis()
+            self.ledger.cuts.append(cut.since)
+            detail = f"{cut.dropped_bytes} bytes of AOF dropped"
+            self.after_redis_crash(cut.since)
+        elif fault.kind is FaultKind.redis_pause:
+            cluster.pause_redis(holds.past_socket_timeout_s)
+            detail = f"{holds.past_socket_timeout_s:.1f}s"
+        elif fault.kind is FaultKind.refused_writes:
+            self._window(("maxmemory", "1"), ("maxmemory", "0"))
+            detail = f"{holds.window_s:.1f}s"
+        else:
+            self._read_only()
+            detail = f"{holds.window_s:.1f}s"
+        self.ledger.fault(fault.kind.name, detail)
+
+    def _window(self, on: tuple[str, str], off: tuple[str, str]) -> None:
+        admin = self.cluster.admin()
+        try:
+            admin.config_set(*on)
+            time.sleep(self.holds.window_s)
+        finally:
+            admin.config_set(*off)
+            admin.close()
+
+    def _read_only(self) -> None:
+        """A demotion to replica of a master that cannot be reached (a failover gone
+        wrong): every write is refused with READONLY until it is promoted again."""
+        admin = self.cluster.admin()
+        try:
+            admin.replicaof("127.0.0.1", free_port())
+            time.sleep(self.holds.window_s)
+        finally:
+            admin.replicaof("NO", "ONE")
+            admin.close()
+
+
+def redis_used_memory(client: redis.Redis) -> int | None:
+    try:
+        info = client.info("memory")
+    except redis.RedisError:
+        return None
+    used: int = info["used_memory"]
+    return used

@@ -1,0 +1,247 @@
+"""One chaos run: reference, cluster, load and faults together, then the verdict.
+
+The reference runs first, in-process and alone, so it is the fault-free run of
+the very requests the cluster then serves under faults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from config import Settings
+from daemon.chaos.cluster import Cluster
+from daemon.chaos.faults import FaultKind, Holds, Injector, redis_used_memory, schedule
+from daemon.chaos.ledger import Ledger
+from daemon.chaos.options import ChaosOptions
+from daemon.chaos.producer import Producer
+from daemon.chaos.reference import reference_outputs
+from daemon.chaos.subscribers import Subscriber
+from daemon.chaos.verdict import Verdict, judge
+from daemon.chaos.workload import make_jobs
+from engine import EngineConfig
+from producers.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChaosResult:
+    options: ChaosOptions
+    verdict: Verdict
+    ledger: Ledger
+    seconds: float
+    reference_seconds: float
+    peak_redis_bytes: int
+    keys_left: int
+    other_keys: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # the run itself broke
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.passed and self.keys_left == 0 and not self.failures
+
+
+def chaos_settings(options: ChaosOptions, engine: EngineConfig) -> Settings:
+    """The daemons' settings: production code, with timeouts short enough that each held
+    fault crosses them within seconds."""
+    return Settings(
+        result_ttl_s=options.result_ttl_s,
+        engine=engine,
+        daemon={
+            "heartbeat_interval_s": 0.5,
+            "heartbeat_ttl_s": 2.0,
+            "claim_interval_s": 0.5,
+            "block_ms": 200,
+            "grace_period_s": 5.0,
+            "redis_retry_max_s": 0.5,
+        },
+    )
+
+
+def fault_counts(options: ChaosOptions) -> dict[FaultKind, int]:
+    counts = {FaultKind.daemon_kill: options.kills, FaultKind.redis_crash: options.redis_crashes}
+    for kind in FaultKind:
+        counts.setdefault(kind, options.each_other_fault)
+    return counts
+
+
+def run_chaos(
+    options: ChaosOptions,
+    *,
+    model: Path,
+    engine: EngineConfig,
+    workdir: Path,
+    progress: Callable[[str], None] = lambda line: None,
+) -> ChaosResult:
+    jobs = make_jobs(options.jobs, options.seed, vocab=_vocab(model))
+    progress(f"reference: {len(jobs)} jobs in-process, no faults")
+    reference, reference_seconds = reference_outputs(model, engine, jobs)
+    settings = chaos_settings(options, engine)
+    cluster = Cluster(workdir, model, options.daemons, settings)
+    progress(f"starting redis-server (AOF everysec) and {options.daemons} daemons")
+    cluster.start()
+    ledger = Ledger()
+    holds = Holds(
+        past_heartbeat_s=settings.daemon.heartbeat_ttl_s + 1.5,
+        past_socket_timeout_s=settings.daemon.block_ms / 1000 + 5.0 + 1.5,
+        window_s=2.0,
+    )
+    faults = schedule(fault_counts(options), options.daemons, options.seed)
+    failures: list[str] = []
+    started = time.monotonic()
+    deadline = started + options.minutes * 60
+    injector: Injector | None = None
+
+    def may_submit(index: int) -> bool:
+        """A fault fires when its share of jobs is submitted; the producer runs at most a
+        window ahead of the next one, so every fault meets jobs in flight."""
+        point = injector.next_point() if injector is not None else None
+        return point is None or index < point * len(jobs) + options.window
+
+    subscribers: list[Subscriber] = []
+    producer = Producer(
+        cluster.url,
+        ledger,
+        jobs,
+        hostile=options.hostile,
+        seed=options.seed,
+        window=options.window,
+        follow=lambda job_id: subscribers[hash(job_id) % len(subscribers)].inbox.put(job_id),
+        may_submit=may_submit,
+        result_ttl_s=options.result_ttl_s,
+    )
+    by_id = {job.id: job for job in jobs}
+    subscribers += [
+        Subscriber(i, cluster.url, ledger, producer, by_id, seed=options.seed, resume_every=40)
+        for i in range(options.subscribers)
+    ]
+    injector = Injector(
+        cluster,
+        ledger,
+        faults,
+        holds,
+        progress=lambda: len(ledger.submitted) / len(jobs),
+        after_redis_crash=producer.after_redis_crash,
+    )
+    peak = _MemoryWatch(cluster)
+    try:
+        for subscriber in subscribers:
+            subscriber.start()
+        injector.start()
+        producer.start()
+        peak.start()
+        _wait(ledger, jobs_total=len(jobs), injector=injector, deadline=deadline, progress=progress)
+        if time.monotonic() >= deadline:
+            failures.append(f"not done within --minutes {options.minutes}")
+        injector.join()
+        producer.join()
+        for subscriber in subscribers:
+            subscriber.join()
+        seconds = time.monotonic() - started
+        errors: list[tuple[str, BaseException | None]] = [
+            ("fault injector", injector.error),
+            ("producer", producer.error),
+            *((f"subscriber {s.index}", s.error) for s in subscribers),
+        ]
+        failures += [f"{name} failed: {error!r}" for name, error in errors if error is not None]
+        peak.stop()
+        admin = cluster.admin()
+        verdict = judge(
+            jobs, reference, ledger, admin, unexpected_exits=len(cluster.unexpected_exits)
+        )
+        for exit_ in cluster.unexpected_exits:
+            verdict.findings.append(
+                f"daemon {exit_.daemon} exited {exit_.returncode}:\n{exit_.log_tail}"
+            )
+        progress(f"waiting {options.result_ttl_s}s for the results to expire")
+        time.sleep(options.result_ttl_s + 2)
+        keys_left, other_keys = _keys_left(admin)
+        admin.close()
+    finally:
+        injector.join()
+        producer.join()
+        for subscriber in subscribers:
+            subscriber.join()
+        peak.stop()
+        cluster.stop()
+    return ChaosResult(
+        options,
+        verdict,
+        ledger,
+        seconds,
+        reference_seconds,
+        peak.bytes,
+        keys_left,
+        other_keys,
+        failures,
+    )
+
+
+def _wait(
+    ledger: Ledger,
+    *,
+    jobs_total: int,
+    injector: Injector,
+    deadline: float,
+    progress: Callable[[str], None],
+) -> None:
+    last_report = 0.0
+    while time.monotonic() < deadline:
+        ended = len(ledger.finished_ids())
+        if ended >= jobs_total and injector.next_point() is None:
+            return
+        if time.monotonic() - last_report >= 5:
+            last_report = time.monotonic()
+            progress(
+                f"{ended}/{jobs_total} jobs ended, {sum(ledger.faults.values())} faults, "
+                f"{len(ledger.hostile)} hostile sent"
+            )
+        time.sleep(0.1)
+
+
+class _MemoryWatch:
+    """Samples Redis's used memory; the peak goes in the table."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-memory", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        admin = self.cluster.admin()
+        while not self._stop.wait(0.25):
+            used = redis_used_memory(admin)
+            if used is not None:
+                self.bytes = max(self.bytes, used)
+        admin.close()
+
+
+def _keys_left(client: redis.Redis) -> tuple[int, list[str]]:
+    """Per-job keys still in Redis (must be none once result TTLs pass), and the rest."""
+    prefix = Keys().job("x")[: -len("x")]
+    job_keys = list(client.scan_iter(f"{prefix}*"))
+    others = sorted(k.decode() for k in client.scan_iter("*") if not k.startswith(prefix.encode()))
+    return len(job_keys), others
+
+
+def _vocab(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    vocab: int = config["vocab_size"]
+    return vocab
