@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from config import DEFAULT_REDIS_URL
 from producers.base import ClientBase, HandleBase
@@ -24,6 +25,7 @@ from producers.follow import (
     Pause,
     Read,
     Step,
+    interrupted_read,
     read_reply,
 )
 from producers.keys import check_name
@@ -162,7 +164,10 @@ async def follow(connection: aioredis.Redis, follower: Follower) -> AsyncIterato
 
 async def _execute(connection: aioredis.Redis, step: Step) -> Any:
     if isinstance(step, Read):
-        raw = await connection.xread(step.streams, count=step.count, block=step.block_ms)
+        try:
+            raw = await connection.xread(step.streams, count=step.count, block=step.block_ms)
+        except ResponseError as exc:
+            raise interrupted_read(exc) from exc
         return read_reply(raw)
     assert isinstance(step, FetchStatus)
     async with connection.pipeline(transaction=False) as pipe:

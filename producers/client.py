@@ -25,6 +25,7 @@ from producers.follow import (
     Pause,
     Read,
     Step,
+    interrupted_read,
     read_reply,
 )
 from producers.keys import check_name
@@ -184,7 +185,11 @@ def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
 
 def execute_step(connection: redis.Redis, step: Step) -> Any:
     if isinstance(step, Read):
-        return read_reply(connection.xread(step.streams, count=step.count, block=step.block_ms))
+        try:
+            raw = connection.xread(step.streams, count=step.count, block=step.block_ms)
+        except redis.ResponseError as exc:
+            raise interrupted_read(exc) from exc
+        return read_reply(raw)
     assert isinstance(step, FetchStatus)
     with connection.pipeline(transaction=False) as pipe:
         for key in step.keys:

@@ -42,6 +42,17 @@ READ_COUNT = 512
 # What a dropped or restarting Redis raises, sync and async alike.
 RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
+
+class ReadInterrupted(redis.ConnectionError):
+    """A blocking read the server ended with UNBLOCKED: it changed role under the read
+    (a failover demoted it). Retried like a dropped connection, not raised to the user."""
+
+
+def interrupted_read(exc: redis.ResponseError) -> BaseException:
+    """``exc`` as a reconnect error when it is an UNBLOCKED reply, else unchanged."""
+    return ReadInterrupted(str(exc)) if str(exc).startswith("UNBLOCKED") else exc
+
+
 _REASON_OF_STATE = {
     JobState.failed: FinishReason.error,
     JobState.cancelled: FinishReason.cancelled,

@@ -34,7 +34,13 @@ WALLS: dict[str, tuple[str, ...]] = {
     "daemon/demo": ("daemon.commands", "daemon.bench", "daemon.cli"),
     "daemon/bench": ("daemon.commands", "daemon.demo", "daemon.cli"),
     # chaos drives daemons as processes, through the producers' surfaces, never their insides
-    "daemon/chaos": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli", "daemon.worker"),
+    "daemon/chaos": (
+        "daemon.commands",
+        "daemon.demo",
+        "daemon.bench",
+        "daemon.cli",
+        "daemon.worker",
+    ),
 }
 
 

@@ -16,10 +16,10 @@ from redis.retry import Retry
 from producers import follow
 from producers.aio import AsyncClient
 from producers.client import Client
-from producers.errors import JobFailed, JobTimeout, ValidationError
+from producers.errors import JobFailed, JobNotFound, JobTimeout, ValidationError
 from producers.keys import Keys
 from producers.schema import Event, FinishReason, JobState
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, free_port
 from support.text_daemon import expected_text, text_daemon
 
 KEYS = Keys()
@@ -218,3 +218,44 @@ def test_async_client_live(redis_server: RedisServer) -> None:
         events, text = asyncio.run(scenario())
     assert_complete(events, "async", 20)
     assert text == expected_text("async", 20)
+
+
+def test_a_job_redis_loses_midstream_is_reported_missing_not_waited_for_forever(
+    redis_server: RedisServer,
+) -> None:
+    """Found by `batchd chaos`: Redis crashed and came back without a job whose first
+    events a client had already read (its submit was in the unsynced last second); the
+    client waited forever for the rest. It now raises JobNotFound like for any job that
+    has no status hash for ``missing_timeout_s``."""
+    r = redis_server.client()
+    with Client(redis_server.url, block_ms=100, missing_timeout_s=0.5) as c:
+        c.submit(prompt_token_ids=[1, 2], id="vanishing", max_tokens=5)
+        r.xadd(KEYS.events("vanishing"), {"event": Event(seq=0, token_id=7).encode()}, id="0-1")
+        stream = c.stream("vanishing", timeout=20)
+        assert next(stream).token_id == 7
+        r.delete(KEYS.job("vanishing"), KEYS.events("vanishing"))
+        started = time.monotonic()
+        with pytest.raises(JobNotFound):
+            next(stream)
+    assert time.monotonic() - started < 10
+
+
+def test_a_failover_under_a_blocking_read_is_followed_through(redis_server: RedisServer) -> None:
+    """Found by `batchd chaos`: a server demoted to replica ends blocked reads with
+    UNBLOCKED; the stream raised it to the user instead of reading on."""
+    r = redis_server.client()
+    events: list[Event] = []
+    with Client(redis_server.url, block_ms=2000) as c:
+        c.submit(prompt_token_ids=[1, 2], id="failover", max_tokens=2)
+        reader = threading.Thread(target=lambda: events.extend(c.stream("failover", timeout=30)))
+        reader.start()
+        time.sleep(0.5)  # caught up: the follower now blocks on XREAD
+        r.replicaof("127.0.0.1", free_port())
+        time.sleep(0.3)
+        r.replicaof("NO", "ONE")
+        stored = [Event(seq=0, token_id=5), Event(seq=1, token_id=6)]
+        stored.append(Event(seq=2, finish_reason=FinishReason.length))
+        for event in stored:
+            r.xadd(KEYS.events("failover"), {"event": event.encode()}, id=f"0-{event.seq + 1}")
+        reader.join(30)
+    assert [e.seq for e in events] == [0, 1, 2]
