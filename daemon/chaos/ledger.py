@@ -32,7 +32,9 @@ class Ledger:
     wrong_answers: list[str] = field(default_factory=list)
     hostile: list[HostileSend] = field(default_factory=list)
     hostile_unanswered: int = 0  # XADDs cut off by a fault: may or may not exist
-    hostile_resent: int = 0
+    # Entries a crash took from the queue (resent since): a daemon that had read one
+    # before the crash may still dead-letter it from memory, once.
+    hostile_lost: set[str] = field(default_factory=set)
     faults: Counter[str] = field(default_factory=Counter)
     fault_log: list[str] = field(default_factory=list)
     cuts: list[float] = field(default_factory=list)  # Redis crashes: writes after may be lost

@@ -231,7 +231,7 @@ class Producer:
         lost = [send for send in lost if send.entry_id not in handled]
         with self.ledger.lock:
             self.ledger.hostile = [s for s in self.ledger.hostile if s not in lost]
-            self.ledger.hostile_resent += len(lost)
+            self.ledger.hostile_lost.update(send.entry_id for send in lost)
         for send in lost:
             self._xadd_hostile(send.entry)
 

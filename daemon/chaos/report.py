@@ -16,7 +16,7 @@ def render(result: ChaosResult, *, command: str) -> str:
         (
             "hostile entries dead-lettered",
             f"{verdict.hostile_dead_lettered}/{verdict.hostile_sent} "
-            f"(+{ledger.hostile_resent} resent after Redis lost them, "
+            f"(+{len(ledger.hostile_lost)} resent after Redis lost them, "
             f"{ledger.hostile_unanswered} unanswered)",
         ),
     ]

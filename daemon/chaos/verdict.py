@@ -194,7 +194,12 @@ def _judge_dead_letters(verdict: Verdict, ledger: Ledger, client: redis.Redis) -
     for entry in sent:
         if per_entry[entry] != 1:
             verdict.findings.append(f"hostile entry {entry} dead-lettered {per_entry[entry]} times")
-    strangers = sum(count for entry, count in per_entry.items() if entry not in sent)
-    verdict.unexpected_dead_letters = max(0, strangers - ledger.hostile_unanswered)
+    for entry in ledger.hostile_lost:
+        if per_entry[entry] > 1:
+            verdict.findings.append(f"lost hostile entry {entry} dead-lettered {per_entry[entry]}x")
+            verdict.unexpected_dead_letters += per_entry[entry] - 1
+    known = sent | ledger.hostile_lost
+    strangers = sum(count for entry, count in per_entry.items() if entry not in known)
+    verdict.unexpected_dead_letters += max(0, strangers - ledger.hostile_unanswered)
     if verdict.unexpected_dead_letters:
         verdict.findings.append(f"{strangers} dead letters of entries nobody sent as hostile")

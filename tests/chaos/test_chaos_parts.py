@@ -93,3 +93,16 @@ def test_the_verdict_counts_each_kind_of_failure() -> None:
     assert (verdict.broken_streams, verdict.completed_twice) == (1, 1)
     assert verdict.hostile_sent - verdict.hostile_dead_lettered == 1  # never dead-lettered
     assert not verdict.passed
+
+
+def test_a_hostile_entry_lost_with_redis_may_still_be_dead_lettered_once() -> None:
+    """A daemon that read an entry before Redis lost it dead-letters it from memory: that
+    letter is expected (once), next to the letter of the entry sent again."""
+    client = fakeredis.FakeRedis()
+    ledger = Ledger()
+    ledger.hostile_lost.add("1-0")
+    client.xadd(KEYS.dead, {"entry": "1-0", "error": "bad"})
+    assert judge([], {}, ledger, client, unexpected_exits=0).unexpected_dead_letters == 0
+    client.xadd(KEYS.dead, {"entry": "1-0", "error": "bad"})
+    client.xadd(KEYS.dead, {"entry": "9-9", "error": "bad"})
+    assert judge([], {}, ledger, client, unexpected_exits=0).unexpected_dead_letters == 2
