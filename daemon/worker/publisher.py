@@ -35,6 +35,17 @@ log = logging.getLogger(__name__)
 DEAD_MAXLEN = 10_000
 DEAD_PAYLOAD_BYTES = 4096
 
+# Dead-letter a queue entry and ack it, only while it is pending for this consumer: a
+# retry after a lost reply (the first attempt ran), or a daemon whose entry another one
+# has claimed meanwhile, writes no second letter. Returns XACK's count (0: not ours).
+# KEYS: queue stream, dead stream; ARGV: group, entry id, consumer, maxlen, fields...
+DEAD_LETTER = """
+local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #mine == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+"""
+
 
 class Piggyback(Protocol):
     """A read that rides along in the step's pipeline (e.g. new cancellations)."""
@@ -64,7 +75,9 @@ class Publisher:
     def __init__(self, client: redis.Redis, keys: Keys, *, owner: str, result_ttl_s: int) -> None:
         self.redis = client
         self.keys = keys
+        self.owner = owner
         self.result_ttl_s = result_ttl_s
+        self._dead_letter = client.register_script(DEAD_LETTER)
         self.fence = Fence(client, keys, owner=owner, result_ttl_s=result_ttl_s)
         self._loaded = False
 
@@ -109,27 +122,28 @@ class Publisher:
         return result
 
     def _queue_finish(self, pipe: Pipeline, job: Job) -> int:
-        """Dead letter, EXPIREs and XACK of a job whose final event is stored; how many."""
+        """EXPIREs, then dead letter and XACK (or the XACK alone) of a job whose final
+        event is stored; how many commands. The ack's reply comes last."""
         size = 0
-        if job.dead_letter:
-            pipe.xadd(
-                self.keys.dead,
-                {
-                    "id": job.job_id,
-                    "queue": job.delivery.queue,
-                    "entry": job.delivery.entry_id,
-                    "error": job.error or "",
-                    "payload": _payload_excerpt(job),
-                },
-                maxlen=DEAD_MAXLEN,
-                approximate=True,
-            )
-            size += 1
         if not job.foreign:
             for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
                 pipe.expire(key, self.result_ttl_s)
             size += 2
-        pipe.xack(self.keys.queue(job.delivery.queue), CONSUMER_GROUP, job.delivery.entry_id)
+        queue, entry = self.keys.queue(job.delivery.queue), job.delivery.entry_id
+        if job.dead_letter:
+            letter: dict[str, str | bytes] = {
+                "id": job.job_id,
+                "queue": job.delivery.queue,
+                "entry": entry,
+                "error": job.error or "",
+                "payload": _payload_excerpt(job),
+            }
+            fields = [part for pair in letter.items() for part in pair]
+            args: list[str | bytes | int] = [CONSUMER_GROUP, entry, self.owner, DEAD_MAXLEN]
+            args += fields
+            self._dead_letter(keys=[queue, self.keys.dead], args=args, client=pipe)
+        else:
+            pipe.xack(queue, CONSUMER_GROUP, entry)
         return size + 1
 
     def _settle(self, job: Job, reply: Reply, out: FlushResult) -> None:
@@ -155,7 +169,7 @@ class Publisher:
 
     def _settle_finish(self, job: Job, replies: list[Any], out: FlushResult) -> None:
         errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
-        if job.dead_letter and not isinstance(replies[0], redis.ResponseError):
+        if job.dead_letter and not isinstance(replies[-1], redis.ResponseError):
             job.dead_letter = False
         if errors:
             out.refused = f"job {job.job_id}: finishing: {errors[0]}"

@@ -125,3 +125,41 @@ def test_a_rejected_entry_resent_after_a_lost_reply_stays_where_it_was_filed(
     assert [e.token_id for e in events_of(client, KEYS, "named")] == [9]
     assert client.xlen(KEYS.dead) == 1
     assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 0
+
+
+def test_a_dead_letter_resent_after_a_lost_reply_is_written_once(
+    redis_server: RedisServer,
+) -> None:
+    """Found by `batchd chaos`: Redis paused past the socket timeout ran the buffered
+    dead letter and ack after the daemon gave up on the reply; the retry wrote a second
+    letter. The letter is now written only while the entry is pending for this daemon."""
+    client = redis_server.client()
+    client.xgroup_create(KEYS.queue(), CONSUMER_GROUP, id="0", mkstream=True)
+    entry = client.xadd(KEYS.queue(), {"job": b'{"id": "bad", "prompt": 5}'}).decode()
+    client.xreadgroup(CONSUMER_GROUP, "me", {KEYS.queue(): ">"})
+    job = Job(job_id="bad", delivery=Delivery("default", entry, {}))
+    job.reject("prompt: not a string")
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
+    while not publisher.flush([job]).finished:
+        pass
+    job.dead_letter = True  # the reply to the letter and ack was lost: sent again
+    assert publisher.flush([job]).finished == [job]
+    assert client.xlen(KEYS.dead) == 1
+    assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 0
+
+
+def test_an_entry_another_daemon_claimed_is_dead_lettered_by_that_daemon_only(
+    redis_server: RedisServer,
+) -> None:
+    client = redis_server.client()
+    client.xgroup_create(KEYS.queue(), CONSUMER_GROUP, id="0", mkstream=True)
+    entry = client.xadd(KEYS.queue(), {"job": b'{"id": "bad2", "prompt": 5}'}).decode()
+    client.xreadgroup(CONSUMER_GROUP, "me", {KEYS.queue(): ">"})
+    client.xclaim(KEYS.queue(), CONSUMER_GROUP, "other", 0, [entry])
+    job = Job(job_id="bad2", delivery=Delivery("default", entry, {}))
+    job.reject("prompt: not a string")
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
+    while not publisher.flush([job]).finished:
+        pass
+    assert client.xlen(KEYS.dead) == 0
+    assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 1  # the other's
