@@ -29,6 +29,7 @@ class Ledger:
     submitted: set[str] = field(default_factory=set)
     resubmitted: set[str] = field(default_factory=set)  # lost with Redis, submitted again
     cancel_answers: dict[str, bool] = field(default_factory=dict)
+    unknown_cancels: int = 0  # cancels of ids never submitted, answered JobNotFound
     wrong_answers: list[str] = field(default_factory=list)
     hostile: list[HostileSend] = field(default_factory=list)
     hostile_unanswered: int = 0  # XADDs cut off by a fault: may or may not exist

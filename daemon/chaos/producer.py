@@ -63,7 +63,6 @@ class Producer:
         self.client = Client(self.redis, block_ms=200)
         self.stop = threading.Event()
         self.error: BaseException | None = None
-        self.unknown_cancels = 0
         self._thread = threading.Thread(target=self._run, name="chaos-producer", daemon=True)
 
     def start(self) -> Producer:
@@ -186,7 +185,8 @@ class Producer:
         try:
             answer = self._retry(f"cancel {job_id}", lambda: self.client.cancel(job_id))
         except JobNotFound:
-            self.unknown_cancels += 1
+            with self.ledger.lock:
+                self.ledger.unknown_cancels += 1
             return
         self.ledger.wrong(f"cancel of unknown job {job_id} answered {answer}")
 

@@ -13,6 +13,7 @@ def render(result: ChaosResult, *, command: str) -> str:
         ("submitted", f"{verdict.submitted} (+{verdict.resubmitted} again after Redis lost them)"),
         ("completed, equal to the reference", str(verdict.completed)),
         ("cancelled as asked", f"{verdict.cancelled_as_asked} of {verdict.cancel_asked} asked"),
+        ("cancels of unknown ids answered JobNotFound", str(ledger.unknown_cancels)),
         (
             "hostile entries dead-lettered",
             f"{verdict.hostile_dead_lettered}/{verdict.hostile_sent} "
