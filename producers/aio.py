@@ -23,6 +23,7 @@ from producers.follow import (
     FetchStatus,
     Follower,
     Pause,
+    PlanDriver,
     Read,
     Step,
     interrupted_read,
@@ -142,24 +143,17 @@ class AsyncJobHandle(HandleBase["AsyncClient"]):
 
 async def follow(connection: aioredis.Redis, follower: Follower) -> AsyncIterator[Delivery]:
     """Drive a :class:`~producers.follow.Follower` plan with asyncio I/O."""
-    plan = follower.plan()
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = plan.throw(error) if error is not None else plan.send(reply)
-        except StopIteration:
-            return
-        reply, error = None, None
+    driver = PlanDriver(follower.plan())
+    while (step := driver.next_step()) is not None:
         if isinstance(step, Delivery):
             yield step
         elif isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
         else:
             try:
-                reply = await _execute(connection, step)
+                driver.answered(await _execute(connection, step))
             except RECONNECT_ERRORS as exc:
-                error = exc
+                driver.failed(exc)
 
 
 async def _execute(connection: aioredis.Redis, step: Step) -> Any:

@@ -23,6 +23,7 @@ from producers.follow import (
     FetchStatus,
     Follower,
     Pause,
+    PlanDriver,
     Read,
     Step,
     interrupted_read,
@@ -163,24 +164,17 @@ class JobHandle(HandleBase["Client"]):
 
 def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
     """Drive a :class:`~producers.follow.Follower` plan with blocking I/O."""
-    plan = follower.plan()
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = plan.throw(error) if error is not None else plan.send(reply)
-        except StopIteration:
-            return
-        reply, error = None, None
+    driver = PlanDriver(follower.plan())
+    while (step := driver.next_step()) is not None:
         if isinstance(step, Delivery):
             yield step
         elif isinstance(step, Pause):
             time.sleep(step.seconds)
         else:
             try:
-                reply = execute_step(connection, step)
+                driver.answered(execute_step(connection, step))
             except RECONNECT_ERRORS as exc:
-                error = exc
+                driver.failed(exc)
 
 
 def execute_step(connection: redis.Redis, step: Step) -> Any:

@@ -295,6 +295,32 @@ class Follower:
         return [Delivery(c.job_id, c.final_from_status()) for c in ended]
 
 
+class PlanDriver:
+    """Hands a plan the outcome of each command it asked for. The I/O stays with the
+    caller (blocking or asyncio), so stepping a plan is written once."""
+
+    def __init__(self, plan: Generator[Step, Any, None]) -> None:
+        self._plan = plan
+        self._reply: Any = None
+        self._error: BaseException | None = None
+
+    def next_step(self) -> Step | None:
+        """The plan's next step, given the last command's outcome; None once it ended."""
+        reply, error = self._reply, self._error
+        self._reply, self._error = None, None
+        try:
+            return self._plan.throw(error) if error is not None else self._plan.send(reply)
+        except StopIteration:
+            return None
+
+    def answered(self, reply: Any) -> None:
+        self._reply = reply
+
+    def failed(self, error: BaseException) -> None:
+        """A reconnect error: the plan pauses and catches up from the last seq."""
+        self._error = error
+
+
 def _status_or_none(data: dict[Any, Any]) -> JobStatus | None:
     try:
         return JobStatus.from_hash(data) if data else None

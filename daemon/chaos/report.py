@@ -30,7 +30,7 @@ def render(result: ChaosResult, *, command: str) -> str:
         ("peak Redis memory", f"{result.peak_redis_bytes / 2**20:.1f} MiB"),
         ("subscriber disconnects + resumes", str(ledger.resumes)),
         (
-            "ids a hostile entry reused after their results expired",
+            "ids a hostile entry took once their results were gone",
             str(verdict.renamed_after_expiry),
         ),
     ]

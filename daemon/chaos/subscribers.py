@@ -13,16 +13,15 @@ import logging
 import queue
 import random
 import threading
-from typing import Any
 
 import redis
 
 from daemon.chaos.ledger import Ledger
 from daemon.chaos.producer import Producer
 from daemon.chaos.workload import CancelAt, ChaosJob
-from producers.client import execute_step
+from producers.client import follow
 from producers.errors import JobNotFound, ProtocolError
-from producers.follow import RECONNECT_ERRORS, Delivery, Follower, Pause
+from producers.follow import RECONNECT_ERRORS, Delivery, Follower
 from producers.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -137,30 +136,15 @@ class Subscriber:
             connection.close()
 
     def _drive(self, follower: Follower, connection: redis.Redis) -> bool:
-        """Run the follower's plan on ``connection``; True at a planned disconnect."""
-        plan = follower.plan()
-        reply: Any = None
-        error: BaseException | None = None
+        """Follow on ``connection`` with the client's own driver; True at a planned
+        disconnect. Jobs that arrived meanwhile join at each delivery."""
         until_drop = self.rng.randint(1, 2 * self.resume_every)
-        while not self.stop.is_set():
+        for delivery in follow(connection, follower):
+            self._deliver(delivery)
             self._take_new(follower)
-            try:
-                step = plan.throw(error) if error is not None else plan.send(reply)
-            except StopIteration:
-                return False
-            reply, error = None, None
-            if isinstance(step, Delivery):
-                self._deliver(step)
-                until_drop -= 1
-                if until_drop == 0:
-                    return True
-            elif isinstance(step, Pause):
-                self.stop.wait(step.seconds)
-            else:
-                try:
-                    reply = execute_step(connection, step)
-                except RECONNECT_ERRORS as exc:
-                    error = exc
+            until_drop -= 1
+            if until_drop == 0 or self.stop.is_set():
+                return until_drop == 0
         return False
 
     def _deliver(self, delivery: Delivery) -> None:

@@ -153,9 +153,10 @@ def _judge_stored(
 
 
 def _named_after_expiry(stored: list[Event], job_id: str, hostile: dict[str, set[str]]) -> bool:
-    """A hostile entry naming this job was handled after the job's results expired (a
-    fault held it that long): it is then a new job of that id, failed with its own error,
-    which is what the stream holds. Not a second run."""
+    """A hostile entry naming this job was handled after the job's keys were gone (its
+    results expired while a fault held the entry, or a Redis crash lost them after its
+    client had the final event): it is then a new job of that id, failed with its own
+    error, which is what the stream holds. Not a second run."""
     return (
         len(stored) == 1
         and stored[0].finish_reason is FinishReason.error
