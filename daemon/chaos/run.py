@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,9 @@ def run_chaos(
         hostile=options.hostile,
         seed=options.seed,
         window=options.window,
-        follow=lambda job_id: subscribers[hash(job_id) % len(subscribers)].inbox.put(job_id),
+        follow=lambda job_id: subscribers[zlib.crc32(job_id.encode()) % len(subscribers)].inbox.put(
+            job_id
+        ),
         may_submit=may_submit,
         result_ttl_s=options.result_ttl_s,
     )
