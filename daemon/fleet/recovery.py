@@ -23,6 +23,14 @@ from producers.keys import CONSUMER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
+# Add a lost entry again and make it the one that holds its job id (the status hash
+# names the entry that took the job; pickup refuses any other as a duplicate).
+_REQUEUE = """
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV))
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id) end
+return id
+"""
+
 # How many pending entries one claim pass looks at (live daemons' entries included).
 SCAN = 1000
 
@@ -113,6 +121,7 @@ class Recovery:
         self.min_idle_ms = int(heartbeat_ttl_s * 1000)
         self._claim = client.register_script(_CLAIM)
         self._forget = client.register_script(_FORGET)
+        self._requeue = client.register_script(_REQUEUE)
 
     def own_pending(self, queue: str) -> list[Delivery]:
         """Entries this consumer name already holds (a restart under a stable name)."""
@@ -142,6 +151,35 @@ class Recovery:
         if out:
             log.info("recovered %d own pending job(s) on queue %s", len(out), queue)
         return out
+
+    def take_back(self, delivery: Delivery, job_id: str) -> bool:
+        """After Redis lost writes of a job held here: True if its entry is still pending
+        for this daemon (pick the job up again). Pending elsewhere, or in the stream and
+        not pending (to be delivered again, or already acked), the queue has it: False.
+        Gone from both (Redis lost the entry itself), the job exists only in this
+        process: its entry is added again from memory (False), so that a daemon dying
+        later cannot leave a job nobody will ever resume."""
+        stream = self.keys.queue(delivery.queue)
+        entry = delivery.entry_id
+        try:
+            pending: Any = self.redis.xpending_range(stream, CONSUMER_GROUP, entry, entry, 1)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            pending = []  # the group is gone with the rest (intake creates it again)
+        if pending:
+            return bool(pending[0]["consumer"].decode() == self.consumer)
+        if self.redis.xrange(stream, entry, entry):
+            return False
+        fields = [part for pair in delivery.fields.items() for part in pair]
+        job = self.keys.job(job_id)
+        added: Any = self._requeue(keys=[stream, job], args=fields)
+        log.warning(
+            "queue entry %s was lost by Redis; its job enqueued again as %s",
+            entry,
+            added.decode(),
+        )
+        return False
 
     def strays(self, queue: str, *, held: set[str]) -> list[Delivery]:
         """Entries pending for this consumer that it does not hold: a lost XREADGROUP

@@ -277,7 +277,12 @@ class Worker:
             )
             self._out_of_engine(job)
             del self.jobs[job.key]
-            self.intake_reader.put_back([job.delivery])
+            try:
+                mine = self.recovery.take_back(job.delivery, job.job_id)
+            except (*REDIS_DOWN, redis.ResponseError):
+                mine = True  # decided at the pickup, which reads what Redis holds
+            if mine:
+                self.intake_reader.put_back([job.delivery])
         if result.refused is not None:
             # Keep everything, stop intake and back off until Redis takes writes again.
             self.backoff.failed(redis.ResponseError(result.refused), doing="publishing")

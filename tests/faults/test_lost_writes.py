@@ -5,10 +5,25 @@ and every job ends with the uninterrupted run's tokens, never gapped or mixed.""
 
 from __future__ import annotations
 
+import signal
 import time
+from pathlib import Path
+from typing import Any
 
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
-from support.daemon_harness import FakeGenerator, enqueue, fast_settings, wait_until, worker_thread
+from producers.keys import CONSUMER_GROUP
+from producers.schema import FinishReason
+from support.daemon_harness import (
+    DaemonProcess,
+    FakeGenerator,
+    daemon_config,
+    enqueue,
+    fast_settings,
+    token_ids,
+    wait_final,
+    wait_until,
+    worker_thread,
+)
 from support.redis_server import RedisServer
 
 
@@ -30,7 +45,7 @@ def test_restart_from_an_older_snapshot(redis_server: RedisServer) -> None:
 
 def test_failover_to_an_empty_replica_loses_the_queue_too(redis_server: RedisServer) -> None:
     """Everything is lost (a replica that never synced took over): the jobs the daemon
-    holds still complete from seq 0, and their lost queue entries are only logged."""
+    holds are enqueued again from its memory and complete from seq 0."""
     client = redis_server.client()
     jobs = fake_jobs(3, prefix="gone", max_tokens=40)
     with worker_thread(
@@ -41,3 +56,43 @@ def test_failover_to_an_empty_replica_loses_the_queue_too(redis_server: RedisSer
         wait_until(lambda: client.xlen(KEYS.events("gone0")) >= 5, what="first tokens")
         client.flushall()
         assert_all_done_once(client, jobs)
+
+
+def test_a_job_whose_entry_redis_lost_survives_the_death_of_its_daemon(
+    redis_server: RedisServer, tmp_path: Path, tiny_model: Path
+) -> None:
+    """Found by `batchd chaos`: Redis lost a job's queue entry (its last second) while a
+    daemon held the job; the daemon ran it again from memory, recreating its status,
+    then died: the job stayed `running` with no pending entry, for no daemon to resume.
+    Now the entry is enqueued again from memory when the loss is noticed."""
+    client = redis_server.client()
+    config = daemon_config(tmp_path, redis_server.url)
+    job = {"id": "orphan", "prompt_token_ids": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+    first = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "first.log")
+    first.wait_serving()
+    entry = enqueue(client, KEYS, job)
+    wait_until(lambda: client.xlen(KEYS.events("orphan")) >= 20, timeout=60, what="tokens")
+    # What a crash losing the last second leaves: no entry, a shorter events stream.
+    client.xack(KEYS.queue(), CONSUMER_GROUP, entry)
+    client.xdel(KEYS.queue(), entry)
+    stored: Any = client.xrange(KEYS.events("orphan"))
+    with client.pipeline() as rollback:  # the stream as it was 5 events in
+        rollback.delete(KEYS.events("orphan"))
+        for entry_id, fields in stored[:5]:
+            rollback.xadd(KEYS.events("orphan"), fields, id=entry_id)
+        rollback.execute()
+    wait_until(
+        lambda: b"enqueued again" in (tmp_path / "first.log").read_bytes(),
+        timeout=30,
+        what="the entry enqueued again",
+    )
+    first.kill()
+    second = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "second.log")
+    try:
+        done = wait_final(client, KEYS, ["orphan"], timeout=120)["orphan"]
+    finally:
+        second.signal(signal.SIGTERM)
+        second.wait(30)
+    assert done[-1].finish_reason is FinishReason.length
+    assert len(token_ids(done)) == 1000
+    assert b"orphan started" in (tmp_path / "second.log").read_bytes()  # not the first's
