@@ -22,6 +22,40 @@ from producers.schema import FINAL_STATE, FinishReason
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
+# The unlabelled counters: name -> help.
+COUNTERS = {
+    "batchd_jobs_started_total": "Jobs admitted into the engine (resumed included).",
+    "batchd_output_tokens_total": "Tokens generated.",
+    "batchd_prefill_tokens_total": "Prompt tokens computed (prefix-cache hits excluded).",
+    "batchd_preemptions_total": "Sequences preempted for lack of KV blocks.",
+    "batchd_redis_errors_total": "Redis calls that failed (connection, timeout).",
+    "batchd_redis_reconnects_total": "Redis outages that ended.",
+}
+# The histograms: name -> help, buckets.
+HISTOGRAMS = {
+    "batchd_time_to_first_token_seconds": (
+        "From enqueue to the job's first token (resumed jobs are not counted again).",
+        LATENCY_BUCKETS,
+    ),
+    "batchd_inter_token_latency_seconds": (
+        "Between consecutive tokens of a job on this daemon.",
+        LATENCY_BUCKETS,
+    ),
+    "batchd_step_duration_seconds": ("One engine step.", LATENCY_BUCKETS),
+    "batchd_step_batch_size": ("Sequences packed in one engine step.", BATCH_BUCKETS),
+}
+# The gauges set once per loop turn (:meth:`DaemonMetrics.tick`): name -> help.
+GAUGES = {
+    "batchd_running_sequences": "Sequences in the running batch.",
+    "batchd_waiting_sequences": "Sequences waiting for the engine.",
+    "batchd_jobs_held": "Jobs this daemon holds (read, not yet acked).",
+    "batchd_kv_blocks_used": "KV-cache blocks in use.",
+    "batchd_kv_blocks_free": "KV-cache blocks free (cached ones included).",
+    "batchd_prefix_cache_hit_ratio": "Prompt tokens found in the prefix cache, since start.",
+    "batchd_outbox_events": "Events generated but not yet stored in Redis.",
+    "batchd_redis_up": "1 while Redis answers, 0 during an outage.",
+}
+
 
 class DaemonMetrics:
     """Every series the daemon exports; ``registry`` is what the endpoint serves."""
@@ -41,79 +75,18 @@ class DaemonMetrics:
             ["state", "finish_reason"],
             registry=r,
         )
-        self.jobs_started = Counter(
-            "batchd_jobs_started_total",
-            "Jobs admitted into the engine (resumed included).",
-            registry=r,
-        )
-        self.output_tokens = Counter("batchd_output_tokens_total", "Tokens generated.", registry=r)
-        self.prefill_tokens = Counter(
-            "batchd_prefill_tokens_total",
-            "Prompt tokens computed (prefix-cache hits excluded).",
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "batchd_preemptions_total", "Sequences preempted for lack of KV blocks.", registry=r
-        )
-        self.ttft = Histogram(
-            "batchd_time_to_first_token_seconds",
-            "From enqueue to the job's first token (resumed jobs are not counted again).",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "batchd_inter_token_latency_seconds",
-            "Between consecutive tokens of a job on this daemon.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.step_time = Histogram(
-            "batchd_step_duration_seconds", "One engine step.", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.batch_size = Histogram(
-            "batchd_step_batch_size",
-            "Sequences packed in one engine step.",
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(
-            "batchd_running_sequences", "Sequences in the running batch.", registry=r
-        )
-        self.waiting = Gauge(
-            "batchd_waiting_sequences", "Sequences waiting for the engine.", registry=r
-        )
-        self.jobs_held = Gauge(
-            "batchd_jobs_held", "Jobs this daemon holds (read, not yet acked).", registry=r
-        )
-        self.kv_used = Gauge("batchd_kv_blocks_used", "KV-cache blocks in use.", registry=r)
-        self.kv_free = Gauge(
-            "batchd_kv_blocks_free", "KV-cache blocks free (cached ones included).", registry=r
-        )
-        self.prefix_hits = Gauge(
-            "batchd_prefix_cache_hit_ratio",
-            "Prompt tokens found in the prefix cache, since start.",
-            registry=r,
-        )
-        self.outbox = Gauge(
-            "batchd_outbox_events", "Events generated but not yet stored in Redis.", registry=r
-        )
-        self.redis_up = Gauge(
-            "batchd_redis_up", "1 while Redis answers, 0 during an outage.", registry=r
-        )
-        self.redis_errors = Counter(
-            "batchd_redis_errors_total",
-            "Redis calls that failed (connection, timeout).",
-            registry=r,
-        )
-        self.redis_reconnects = Counter(
-            "batchd_redis_reconnects_total", "Redis outages that ended.", registry=r
-        )
+        self.counters = {name: Counter(name, doc, registry=r) for name, doc in COUNTERS.items()}
+        self.histograms = {
+            name: Histogram(name, doc, buckets=buckets, registry=r)
+            for name, (doc, buckets) in HISTOGRAMS.items()
+        }
+        self.gauges = {name: Gauge(name, doc, registry=r) for name, doc in GAUGES.items()}
         self._backoff_seen = (0, 0)
         # When each running job's last token came, for the inter-token latency.
         self._last_token: dict[str, float] = {}
 
     def started(self) -> None:
-        self.jobs_started.inc()
+        self.counters["batchd_jobs_started_total"].inc()
 
     def stepped(
         self,
@@ -126,17 +99,18 @@ class DaemonMetrics:
         or the time to it from enqueue if it is a job's first (``jobs`` have not taken this
         step's tokens yet)."""
         now = time.monotonic()
-        self.step_time.observe(seconds)
+        self.histograms["batchd_step_duration_seconds"].observe(seconds)
         if view is not None:
-            self.batch_size.observe(len(view.decodes) + len(view.prefills))
-            self.prefill_tokens.inc(sum(n for _, n in view.prefills))
-            self.preemptions.inc(len(view.preempted))
+            batch = len(view.decodes) + len(view.prefills)
+            self.histograms["batchd_step_batch_size"].observe(batch)
+            self.counters["batchd_prefill_tokens_total"].inc(sum(n for _, n in view.prefills))
+            self.counters["batchd_preemptions_total"].inc(len(view.preempted))
         for out in outputs:
             if out.token_id is not None:
-                self.output_tokens.inc()
+                self.counters["batchd_output_tokens_total"].inc()
                 last = self._last_token.get(out.job_id)
                 if last is not None:
-                    self.itl.observe(now - last)
+                    self.histograms["batchd_inter_token_latency_seconds"].observe(now - last)
                 self._first_token(jobs.get(out.job_id))
                 self._last_token[out.job_id] = now
             if out.finish_reason is not None:
@@ -149,24 +123,29 @@ class DaemonMetrics:
 
     def tick(self, load: Load, jobs: Mapping[str, Job], backoff: Backoff) -> None:
         """Gauges from the engine's load, the jobs held and the Redis connection."""
-        self.running.set(load.running)
-        self.waiting.set(load.waiting)
-        self.jobs_held.set(len(jobs))
-        self.kv_used.set(load.kv_blocks_used)
-        self.kv_free.set(load.kv_blocks_total - load.kv_blocks_used)
-        self.prefix_hits.set(load.prefix_cache_hit_rate)
-        self.outbox.set(_outbox(jobs.values()))
-        self.redis_up.set(0 if backoff.down else 1)
+        values = {
+            "batchd_running_sequences": load.running,
+            "batchd_waiting_sequences": load.waiting,
+            "batchd_jobs_held": len(jobs),
+            "batchd_kv_blocks_used": load.kv_blocks_used,
+            "batchd_kv_blocks_free": load.kv_blocks_total - load.kv_blocks_used,
+            "batchd_prefix_cache_hit_ratio": load.prefix_cache_hit_rate,
+            "batchd_outbox_events": _outbox(jobs.values()),
+            "batchd_redis_up": 0 if backoff.down else 1,
+        }
+        for name, value in values.items():
+            self.gauges[name].set(value)
         errors, reconnects = self._backoff_seen
-        self.redis_errors.inc(backoff.errors_total - errors)
-        self.redis_reconnects.inc(backoff.reconnects_total - reconnects)
+        self.counters["batchd_redis_errors_total"].inc(backoff.errors_total - errors)
+        self.counters["batchd_redis_reconnects_total"].inc(backoff.reconnects_total - reconnects)
         self._backoff_seen = (backoff.errors_total, backoff.reconnects_total)
         if len(self._last_token) > len(jobs):  # jobs dropped without an end (lost to another)
             self._last_token = {k: v for k, v in self._last_token.items() if k in jobs}
 
     def _first_token(self, job: Job | None) -> None:
         if job is not None and not job.output_token_ids and job.timings.queued is not None:
-            self.ttft.observe(max(0.0, time.time() - job.timings.queued))
+            ttft = max(0.0, time.time() - job.timings.queued)
+            self.histograms["batchd_time_to_first_token_seconds"].observe(ttft)
 
 
 def _outbox(jobs: Iterable[Job]) -> int:
