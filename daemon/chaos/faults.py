@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-import redis
-
 from daemon.chaos.cluster import Cluster
 from daemon.chaos.ledger import Ledger
 from daemon.redis_server import free_port
@@ -157,12 +155,3 @@ class Injector:
         finally:
             admin.replicaof("NO", "ONE")
             admin.close()
-
-
-def redis_used_memory(client: redis.Redis) -> int | None:
-    try:
-        info = client.info("memory")
-    except redis.RedisError:
-        return None
-    used: int = info["used_memory"]
-    return used

@@ -49,10 +49,6 @@ class Ledger:
             if event.final:
                 self.finished_at[job_id] = time.monotonic()
 
-    def finished_ids(self) -> list[str]:
-        with self.lock:
-            return [j for j, events in self.delivered.items() if events and events[-1].final]
-
     def finished_within(self, seconds: float) -> list[str]:
         """Jobs whose final event came in the last ``seconds``: their results still exist."""
         horizon = time.monotonic() - seconds

@@ -29,7 +29,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # What a write meets while a fault is on: the retry waits it out.
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
+TRANSIENT = (
+    redis.ConnectionError,  # LOADING after a restart included
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+)
 RETRY_PAUSE_S = 0.2
 
 
@@ -100,8 +105,7 @@ class Producer:
                 time.sleep(0.02)
                 continue
             with self.ledger.lock:
-                ended = sum(1 for e in self.ledger.delivered.values() if e and e[-1].final)
-                outstanding = len(self.ledger.submitted) - ended
+                outstanding = len(self.ledger.submitted) - len(self.ledger.finished_at)
             if outstanding < self.window:
                 return
             time.sleep(0.02)
@@ -111,8 +115,6 @@ class Producer:
             try:
                 return call()
             except TRANSIENT as exc:
-                if isinstance(exc, redis.ResponseError) and not _transient_response(exc):
-                    raise
                 log.debug("%s: %s; retrying", what, exc)
                 if self.stop.wait(RETRY_PAUSE_S):
                     raise
@@ -234,10 +236,3 @@ class Producer:
             self.ledger.hostile_lost.update(send.entry_id for send in lost)
         for send in lost:
             self._xadd_hostile(send.entry)
-
-
-def _transient_response(exc: redis.ResponseError) -> bool:
-    """Refusals a fault causes (OOM, READONLY, LOADING, a paused script): retry those."""
-    if isinstance(exc, redis.exceptions.OutOfMemoryError | redis.exceptions.ReadOnlyError):
-        return True
-    return any(code in str(exc) for code in ("OOM", "READONLY", "LOADING", "BUSY", "MASTERDOWN"))

@@ -14,12 +14,13 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from config import Settings
 from daemon.chaos.cluster import Cluster
-from daemon.chaos.faults import FaultKind, Holds, Injector, redis_used_memory, schedule
+from daemon.chaos.faults import FaultKind, Holds, Injector, schedule
 from daemon.chaos.ledger import Ledger
 from daemon.chaos.options import ChaosOptions
 from daemon.chaos.producer import Producer
@@ -135,27 +136,36 @@ def run_chaos(
         after_redis_crash=producer.after_redis_crash,
     )
     peak = _MemoryWatch(cluster)
+    parts: list[tuple[str, Injector | Producer | Subscriber]] = [
+        ("fault injector", injector),
+        ("producer", producer),
+        *((f"subscriber {s.index}", s) for s in subscribers),
+    ]
+
+    def stop_load() -> None:
+        for _, part in parts:
+            part.join()
+        peak.stop()
+
     try:
         for subscriber in subscribers:
             subscriber.start()
         injector.start()
         producer.start()
         peak.start()
-        _wait(ledger, jobs_total=len(jobs), injector=injector, deadline=deadline, progress=progress)
+        _wait(
+            ledger,
+            jobs_total=len(jobs),
+            injector=injector,
+            deadline=deadline,
+            broken=lambda: any(part.error is not None for _, part in parts),
+            progress=progress,
+        )
         if time.monotonic() >= deadline:
             failures.append(f"not done within --minutes {options.minutes}")
-        injector.join()
-        producer.join()
-        for subscriber in subscribers:
-            subscriber.join()
+        stop_load()
         seconds = time.monotonic() - started
-        errors: list[tuple[str, BaseException | None]] = [
-            ("fault injector", injector.error),
-            ("producer", producer.error),
-            *((f"subscriber {s.index}", s.error) for s in subscribers),
-        ]
-        failures += [f"{name} failed: {error!r}" for name, error in errors if error is not None]
-        peak.stop()
+        failures += [f"{name} failed: {part.error!r}" for name, part in parts if part.error]
         admin = cluster.admin()
         verdict = judge(
             jobs, reference, ledger, admin, unexpected_exits=len(cluster.unexpected_exits)
@@ -169,11 +179,7 @@ def run_chaos(
         keys_left, other_keys = _keys_left(admin)
         admin.close()
     finally:
-        injector.join()
-        producer.join()
-        for subscriber in subscribers:
-            subscriber.join()
-        peak.stop()
+        stop_load()
         cluster.stop()
     return ChaosResult(
         options,
@@ -194,11 +200,14 @@ def _wait(
     jobs_total: int,
     injector: Injector,
     deadline: float,
+    broken: Callable[[], bool],
     progress: Callable[[str], None],
 ) -> None:
+    """Until every job ended and every fault fired, a part of the run broke (reported as
+    a failure, not waited on), or the deadline."""
     last_report = 0.0
-    while time.monotonic() < deadline:
-        ended = len(ledger.finished_ids())
+    while time.monotonic() < deadline and not broken():
+        ended = len(ledger.finished_at)
         if ended >= jobs_total and injector.next_point() is None:
             return
         if time.monotonic() - last_report >= 5:
@@ -230,9 +239,11 @@ class _MemoryWatch:
     def _run(self) -> None:
         admin = self.cluster.admin()
         while not self._stop.wait(0.25):
-            used = redis_used_memory(admin)
-            if used is not None:
-                self.bytes = max(self.bytes, used)
+            try:
+                info: Any = admin.info("memory")
+            except redis.RedisError:  # down or paused by a fault: the next sample counts
+                continue
+            self.bytes = max(self.bytes, int(info["used_memory"]))
         admin.close()
 
 

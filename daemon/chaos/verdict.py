@@ -79,10 +79,11 @@ def judge(
         unexpected_exits=unexpected_exits,
     )
     verdict.findings += ledger.wrong_answers
-    hostile_errors = _hostile_errors(ledger, client)
+    letters: Any = client.xrange(KEYS.dead)
+    hostile_errors = _hostile_errors(ledger, letters)
     for job in jobs:
         _judge_job(verdict, job, reference[job.id], ledger, client, hostile_errors)
-    _judge_dead_letters(verdict, ledger, client)
+    _judge_dead_letters(verdict, ledger, letters)
     return verdict
 
 
@@ -164,10 +165,9 @@ def _named_after_expiry(stored: list[Event], job_id: str, hostile: dict[str, set
     )
 
 
-def _hostile_errors(ledger: Ledger, client: redis.Redis) -> dict[str, set[str]]:
+def _hostile_errors(ledger: Ledger, letters: list[Any]) -> dict[str, set[str]]:
     """Job id -> the errors its hostile entries were dead-lettered with."""
     sent = {send.entry_id for send in ledger.hostile}
-    letters: Any = client.xrange(KEYS.dead)
     named: dict[str, set[str]] = {}
     for _, fields in letters:
         if fields.get(b"entry", b"").decode() in sent:
@@ -186,8 +186,7 @@ def _tokens(events: list[Event]) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
 
 
-def _judge_dead_letters(verdict: Verdict, ledger: Ledger, client: redis.Redis) -> None:
-    letters: Any = client.xrange(KEYS.dead)
+def _judge_dead_letters(verdict: Verdict, ledger: Ledger, letters: list[Any]) -> None:
     per_entry = Counter(fields.get(b"entry", b"").decode() for _, fields in letters)
     sent = {send.entry_id for send in ledger.hostile}
     verdict.hostile_sent = len(sent)
