@@ -40,13 +40,7 @@ class AsyncClient(ClientBase):
 
     def __init__(self, redis_url: str | aioredis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
         super().__init__(**options)
-        if isinstance(redis_url, str):
-            self.redis: aioredis.Redis = aioredis.Redis.from_url(
-                redis_url, **self.connection_options()
-            )
-        else:
-            self.check_connection(redis_url.connection_pool.connection_kwargs)
-            self.redis = redis_url
+        self.redis: aioredis.Redis = self.connect(redis_url, aioredis.Redis.from_url)
         self._submit = self.redis.register_script(SUBMIT)
         self._cancel = self.redis.register_script(CANCEL)
 
@@ -71,13 +65,7 @@ class AsyncClient(ClientBase):
         **options: Any,
     ) -> AsyncJobHandle:
         """See :meth:`producers.client.Client.submit`."""
-        job = self.build_request(
-            prompt=prompt,
-            messages=messages,
-            prompt_token_ids=prompt_token_ids,
-            job_id=id,
-            options=options,
-        )
+        job = self.build_request(prompt, messages, prompt_token_ids, id, options)
         return await self.submit_request(job, queue=queue, idempotent=idempotent)
 
     async def submit_request(
@@ -88,11 +76,9 @@ class AsyncClient(ClientBase):
         idempotent: bool = False,
     ) -> AsyncJobHandle:
         """See :meth:`producers.client.Client.submit_request`."""
-        job_id, name, plan = self.plan_submit(job, queue)
+        plan = self.plan_submit(job, queue)
         reply = await self._submit(keys=plan.keys, args=plan.args)
-        if not plan.enqueued(reply) and not idempotent:
-            raise self.duplicate(job_id, plan.existing_state(reply))
-        return AsyncJobHandle(self, job_id, name)
+        return AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent))
 
     def handle(self, job_id: str, *, queue: str | None = None) -> AsyncJobHandle:
         return AsyncJobHandle(self, check_name("id", job_id), self.queue_name(queue))
@@ -103,8 +89,7 @@ class AsyncClient(ClientBase):
     async def cancel(self, job_id: str) -> bool:
         """See :meth:`producers.client.Client.cancel`."""
         plan = CancelPlan.make(self.keys, job_id)
-        reply = await self._cancel(keys=plan.keys, args=plan.args)
-        return self.should_cancel(job_id, plan.state(reply)) and plan.requested(reply)
+        return self.cancel_made(plan, await self._cancel(keys=plan.keys, args=plan.args))
 
     async def stream(
         self, job_id: str, *, after_seq: int = -1, timeout: float | None = None
@@ -119,8 +104,7 @@ class AsyncClient(ClientBase):
         """See :meth:`producers.client.Client.result`."""
         builder = ResultBuilder(job_id)
         async for event in self.stream(job_id, timeout=timeout):
-            result = builder.add(event)
-            if result is not None:
+            if (result := builder.add(event)) is not None:
                 return result
         raise AssertionError("a stream always ends with a final event")
 

@@ -6,7 +6,7 @@ Everything here is free of I/O, so :mod:`producers.client` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 from config import LimitSettings
@@ -22,7 +22,9 @@ from producers.schema import (
     now,
     validate_job,
 )
-from producers.transact import SubmitPlan
+from producers.transact import CancelPlan, SubmitPlan
+
+ConnectionT = TypeVar("ConnectionT")
 
 # Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).
 SOCKET_TIMEOUT_MARGIN_S = 10.0
@@ -65,6 +67,15 @@ class ClientBase:
             "health_check_interval": 30,
         }
 
+    def connect(
+        self, redis_url: str | ConnectionT, from_url: Callable[..., ConnectionT]
+    ) -> ConnectionT:
+        """A new connection pool for a URL; a given connection after checking its timeout."""
+        if isinstance(redis_url, str):
+            return from_url(redis_url, **self.connection_options())
+        self.check_connection(redis_url.connection_pool.connection_kwargs)  # type: ignore[attr-defined]
+        return redis_url
+
     def check_connection(self, connection_kwargs: Mapping[str, Any]) -> None:
         timeout = connection_kwargs.get("socket_timeout")
         if timeout is not None and timeout * 1000 <= self.block_ms:
@@ -74,7 +85,6 @@ class ClientBase:
 
     def build_request(
         self,
-        *,
         prompt: str | None,
         messages: list[Any] | None,
         prompt_token_ids: list[int] | None,
@@ -95,22 +105,20 @@ class ClientBase:
             data["id"] = new_job_id()
         return validate_job(data, self.limits)
 
-    def plan_submit(
-        self, job: JobRequest | Mapping[str, Any], queue: str | None
-    ) -> tuple[str, str, SubmitPlan]:
-        """The job id, queue name and submit script call of a submit_request() call."""
+    def plan_submit(self, job: JobRequest | Mapping[str, Any], queue: str | None) -> SubmitPlan:
+        """The submit script call of a submit_request() call."""
         request = self.coerce_request(job)
-        job_id = request.id
-        assert job_id is not None
+        assert request.id is not None
         name = self.queue_name(queue)
-        plan = SubmitPlan.make(
-            self.keys,
-            job_id=job_id,
-            queue=name,
-            payload=encode_job(request),
-            status=self.initial_status(name),
-        )
-        return job_id, name, plan
+        status = self.initial_status(name)
+        return SubmitPlan.make(self.keys, request.id, name, encode_job(request), status)
+
+    def check_submitted(self, plan: SubmitPlan, reply: Any, idempotent: bool) -> tuple[str, str]:
+        """The job id and queue of a submit that went through; raises ValidationError on
+        ``id`` when the job existed before, unless ``idempotent``."""
+        if not plan.enqueued(reply) and not idempotent:
+            raise self.duplicate(plan.job_id, plan.existing_state(reply))
+        return plan.job_id, plan.queue
 
     def queue_name(self, queue: str | None) -> str:
         return self.queue if queue is None else check_name("queue", queue)
@@ -127,15 +135,16 @@ class ClientBase:
             value=job_id,
         )
 
-    def should_cancel(self, job_id: str, state: bytes | str | None) -> bool:
-        """Whether a cancel request still matters: False once the job has ended."""
+    def cancel_made(self, plan: CancelPlan, reply: Any) -> bool:
+        """Whether a cancel request went to a job that had not ended; raises JobNotFound."""
+        state = plan.state(reply)
         if state is None:
-            raise JobNotFound(job_id)
-        text = state.decode() if isinstance(state, bytes) else state
+            raise JobNotFound(plan.job_id)
         try:
-            return not JobState(text).terminal
+            ended = JobState(state).terminal
         except ValueError:
-            return True
+            ended = False
+        return not ended and plan.requested(reply)
 
     def parse_status(self, job_id: str, data: Mapping[Any, Any]) -> JobStatus:
         if not data:

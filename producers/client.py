@@ -45,11 +45,7 @@ class Client(ClientBase):
 
     def __init__(self, redis_url: str | redis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
         super().__init__(**options)
-        if isinstance(redis_url, str):
-            self.redis: redis.Redis = redis.Redis.from_url(redis_url, **self.connection_options())
-        else:
-            self.check_connection(redis_url.connection_pool.connection_kwargs)
-            self.redis = redis_url
+        self.redis: redis.Redis = self.connect(redis_url, redis.Redis.from_url)
         self._submit = self.redis.register_script(SUBMIT)
         self._cancel = self.redis.register_script(CANCEL)
 
@@ -80,13 +76,7 @@ class Client(ClientBase):
         raises ValidationError on ``id`` unless ``idempotent`` (then the handle
         attaches to the existing job and nothing is enqueued).
         """
-        job = self.build_request(
-            prompt=prompt,
-            messages=messages,
-            prompt_token_ids=prompt_token_ids,
-            job_id=id,
-            options=options,
-        )
+        job = self.build_request(prompt, messages, prompt_token_ids, id, options)
         return self.submit_request(job, queue=queue, idempotent=idempotent)
 
     def submit_request(
@@ -97,11 +87,9 @@ class Client(ClientBase):
         idempotent: bool = False,
     ) -> JobHandle:
         """Enqueue a ready JobRequest (or its dict); same rules as :meth:`submit`."""
-        job_id, name, plan = self.plan_submit(job, queue)
+        plan = self.plan_submit(job, queue)
         reply = self._submit(keys=plan.keys, args=plan.args)
-        if not plan.enqueued(reply) and not idempotent:
-            raise self.duplicate(job_id, plan.existing_state(reply))
-        return JobHandle(self, job_id, name)
+        return JobHandle(self, *self.check_submitted(plan, reply, idempotent))
 
     def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
         """A handle on a job submitted elsewhere (by id)."""
@@ -119,8 +107,7 @@ class Client(ClientBase):
         JobNotFound. The job ends with a ``cancelled`` final event.
         """
         plan = CancelPlan.make(self.keys, job_id)
-        reply = self._cancel(keys=plan.keys, args=plan.args)
-        return self.should_cancel(job_id, plan.state(reply)) and plan.requested(reply)
+        return self.cancel_made(plan, self._cancel(keys=plan.keys, args=plan.args))
 
     def stream(
         self, job_id: str, *, after_seq: int = -1, timeout: float | None = None
@@ -138,8 +125,7 @@ class Client(ClientBase):
         or JobTimeout."""
         builder = ResultBuilder(job_id)
         for event in self.stream(job_id, timeout=timeout):
-            result = builder.add(event)
-            if result is not None:
+            if (result := builder.add(event)) is not None:
                 return result
         raise AssertionError("a stream always ends with a final event")
 

@@ -49,19 +49,21 @@ return {{state, 1}}
 class SubmitPlan:
     """One submit: its script call, and what the reply means."""
 
+    job_id: str
+    queue: str
     keys: list[str]
     args: list[Any]
     token: str
 
     @classmethod
     def make(
-        cls, keys: Keys, *, job_id: str, queue: str, payload: bytes, status: dict[Any, Any]
+        cls, keys: Keys, job_id: str, queue: str, payload: bytes, status: dict[Any, Any]
     ) -> SubmitPlan:
         token = secrets.token_hex(8)
         args: list[Any] = [token, payload]
         for name, value in status.items():
             args += [name, value]
-        return cls([keys.job(job_id), keys.queue(queue)], args, token)
+        return cls(job_id, queue, [keys.job(job_id), keys.queue(queue)], args, token)
 
     def enqueued(self, reply: Any) -> bool:
         """True when this submit enqueued the job (now or in an attempt whose reply was
@@ -78,12 +80,13 @@ class SubmitPlan:
 class CancelPlan:
     """One cancel request: its script call, and what the reply means."""
 
+    job_id: str
     keys: list[str]
     args: list[Any]
 
     @classmethod
     def make(cls, keys: Keys, job_id: str) -> CancelPlan:
-        return cls([keys.job(job_id), keys.cancel], [job_id, CANCEL_MAXLEN])
+        return cls(job_id, [keys.job(job_id), keys.cancel], [job_id, CANCEL_MAXLEN])
 
     @staticmethod
     def state(reply: Any) -> str | None:

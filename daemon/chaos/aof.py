@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.chaos.background import Background
+
 SAMPLE_INTERVAL_S = 0.05
 
 
@@ -28,24 +30,15 @@ class Cut:
     dropped_bytes: int
 
 
-class AofTail:
+class AofTail(Background):
     """Remembers, for the last few seconds, how long the newest AOF increment file was."""
 
     def __init__(self, directory: Path, *, window_s: float = 1.0) -> None:
+        super().__init__("aof-tail", join_timeout_s=5)
         self.directory = directory
         self.window_s = window_s
         self._samples: list[tuple[float, Path, int]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="aof-tail", daemon=True)
-
-    def start(self) -> AofTail:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
     def newest_increment(self) -> Path | None:
         """The increment file the manifest lists last (Redis 7's multi-part AOF)."""
@@ -60,8 +53,8 @@ class AofTail:
                 newest = folder / fields[fields.index("file") + 1]
         return newest
 
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_INTERVAL_S):
+    def work(self) -> None:
+        while not self.stop.wait(SAMPLE_INTERVAL_S):
             self.sample()
 
     def sample(self) -> None:

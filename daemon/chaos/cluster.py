@@ -111,7 +111,7 @@ class Cluster:
                     slot.proc.kill()
                     slot.proc.wait(10)
             slot.proxy.close()
-        self.aof.stop()
+        self.aof.join()
         self.redis_server.stop()
 
     # -- daemons ----------------------------------------------------------------------------

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from daemon.chaos.background import Background
 from daemon.chaos.cluster import Cluster
 from daemon.chaos.ledger import Ledger
 from daemon.redis_server import free_port
@@ -58,7 +58,7 @@ def schedule(counts: dict[FaultKind, int], daemons: int, seed: int) -> list[Faul
     return sorted(faults, key=lambda f: f.at_progress)
 
 
-class Injector:
+class Injector(Background):
     """Runs the schedule against a cluster, waiting for each fault's point of progress."""
 
     def __init__(
@@ -71,40 +71,26 @@ class Injector:
         progress: Callable[[], float],
         after_redis_crash: Callable[[float], None],
     ) -> None:
+        super().__init__("chaos-faults", join_timeout_s=120)
         self.cluster = cluster
         self.ledger = ledger
         self.faults = faults
         self.holds = holds
         self.progress = progress
         self.after_redis_crash = after_redis_crash
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
         self.fired = 0
-        self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
 
     def next_point(self) -> float | None:
         """The share of progress at which the next fault fires; None once all have."""
         return self.faults[self.fired].at_progress if self.fired < len(self.faults) else None
 
-    def start(self) -> Injector:
-        self._thread.start()
-        return self
-
-    def join(self) -> None:
-        self.stop.set()
-        self._thread.join(120)
-
-    def _run(self) -> None:
-        try:
-            for fault in self.faults:
-                while self.progress() < fault.at_progress:
-                    if self.stop.wait(0.1):
-                        return
-                self.inject(fault)
-                self.fired += 1
-        except BaseException as exc:  # reported by the run: a broken injector is a finding
-            log.exception("fault injector failed")
-            self.error = exc
+    def work(self) -> None:
+        for fault in self.faults:
+            while self.progress() < fault.at_progress:
+                if self.stop.wait(0.1):
+                    return
+            self.inject(fault)
+            self.fired += 1
 
     def inject(self, fault: Fault) -> None:
         holds, cluster = self.holds, self.cluster

@@ -9,7 +9,6 @@ backlog would, so a job waits in the queue seconds, not the whole run.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -18,6 +17,7 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
+from daemon.chaos.background import Background
 from daemon.chaos.hostile import HostileSource
 from daemon.chaos.ledger import HostileSend, Ledger
 from daemon.chaos.workload import CancelAt, ChaosJob, Via
@@ -38,7 +38,7 @@ TRANSIENT = (
 RETRY_PAUSE_S = 0.2
 
 
-class Producer:
+class Producer(Background):
     def __init__(
         self,
         url: str,
@@ -52,6 +52,7 @@ class Producer:
         may_submit: Callable[[int], bool],
         result_ttl_s: float,
     ) -> None:
+        super().__init__("chaos-producer", join_timeout_s=60)
         self.ledger = ledger
         self.jobs = {job.id: job for job in jobs}
         self.order = jobs
@@ -66,38 +67,19 @@ class Producer:
         # Socket timeouts shorter than the Redis pause fault, so it is felt as a timeout.
         self.redis = redis.Redis.from_url(url, socket_timeout=3.0, socket_connect_timeout=3.0)
         self.client = Client(self.redis, block_ms=200)
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="chaos-producer", daemon=True)
 
-    def start(self) -> Producer:
-        self._thread.start()
-        return self
-
-    def join(self) -> None:
-        self.stop.set()
-        self._thread.join(60)
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            for i, job in enumerate(self.order):
-                self._wait_for_room(i)
-                if self.stop.is_set():
-                    return
-                self._submit(job)
-                if self.hostile_every and i % self.hostile_every == 0 and self.hostile_left:
-                    self._send_hostile()
-                if i % 97 == 0:
-                    self._cancel_unknown(i)
-            while self.hostile_left and not self.stop.is_set():
+    def work(self) -> None:
+        for i, job in enumerate(self.order):
+            self._wait_for_room(i)
+            if self.stop.is_set():
+                return
+            self._submit(job)
+            if self.hostile_every and i % self.hostile_every == 0 and self.hostile_left:
                 self._send_hostile()
-        except BaseException as exc:  # a producer that dies is a finding, not a hang
-            log.exception("chaos producer failed")
-            self.error = exc
+            if i % 97 == 0:
+                self._cancel_unknown(i)
+        while self.hostile_left and not self.stop.is_set():
+            self._send_hostile()
 
     def _wait_for_room(self, index: int) -> None:
         while not self.stop.is_set():

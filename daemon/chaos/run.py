@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 import redis
 
 from config import Settings
+from daemon.chaos.background import Background
 from daemon.chaos.cluster import Cluster
 from daemon.chaos.faults import FaultKind, Holds, Injector, schedule
 from daemon.chaos.ledger import Ledger
@@ -145,7 +145,7 @@ def run_chaos(
     def stop_load() -> None:
         for _, part in parts:
             part.join()
-        peak.stop()
+        peak.join()
 
     try:
         for subscriber in subscribers:
@@ -219,26 +219,17 @@ def _wait(
         time.sleep(0.1)
 
 
-class _MemoryWatch:
+class _MemoryWatch(Background):
     """Samples Redis's used memory; the peak goes in the table."""
 
     def __init__(self, cluster: Cluster) -> None:
+        super().__init__("chaos-memory", join_timeout_s=5)
         self.cluster = cluster
         self.bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-memory", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-
-    def _run(self) -> None:
+    def work(self) -> None:
         admin = self.cluster.admin()
-        while not self._stop.wait(0.25):
+        while not self.stop.wait(0.25):
             try:
                 info: Any = admin.info("memory")
             except redis.RedisError:  # down or paused by a fault: the next sample counts

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import queue
 import random
-import threading
 
 import redis
 
+from daemon.chaos.background import Background
 from daemon.chaos.ledger import Ledger
 from daemon.chaos.producer import Producer
 from daemon.chaos.workload import CancelAt, ChaosJob
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 MISSING_AFTER_S = 10.0
 
 
-class Subscriber:
+class Subscriber(Background):
     def __init__(
         self,
         index: int,
@@ -43,6 +43,7 @@ class Subscriber:
         seed: int,
         resume_every: int,
     ) -> None:
+        super().__init__(f"chaos-sub-{index}", join_timeout_s=30)
         self.index = index
         self.url = url
         self.ledger = ledger
@@ -53,17 +54,6 @@ class Subscriber:
         self.inbox: queue.Queue[str] = queue.Queue()
         self.following: set[str] = set()
         self.follower: Follower | None = None
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"chaos-sub-{index}", daemon=True)
-
-    def start(self) -> Subscriber:
-        self._thread.start()
-        return self
-
-    def join(self) -> None:
-        self.stop.set()
-        self._thread.join(30)
 
     def _connect(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=3.0, socket_connect_timeout=3.0)
@@ -90,13 +80,9 @@ class Subscriber:
             self.following.add(job_id)
             follower.add(job_id)
 
-    def _run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                self._follow_once()
-        except BaseException as exc:  # a subscriber that dies is a finding, not a hang
-            log.exception("chaos subscriber %d failed", self.index)
-            self.error = exc
+    def work(self) -> None:
+        while not self.stop.is_set():
+            self._follow_once()
 
     def _follow_once(self) -> None:
         """One connection's worth of following: until a planned disconnect (the next

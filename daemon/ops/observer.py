@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from config import Settings
@@ -26,6 +27,16 @@ if TYPE_CHECKING:  # prometheus-client is imported only when metrics are on
     from daemon.ops.prom import DaemonMetrics
 
 log = logging.getLogger("daemon.jobs")
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """An engine step as the observers see it; ``jobs`` have not taken its tokens yet."""
+
+    view: StepView | None
+    outputs: list[TokenOut]
+    seconds: float
+    jobs: Mapping[str, Job]
 
 
 class WorkerState(Protocol):
@@ -83,16 +94,9 @@ class Ops:
         if self.metrics is not None:
             self.metrics.started()
 
-    def stepped(
-        self,
-        view: StepView | None,
-        outputs: list[TokenOut],
-        seconds: float,
-        jobs: Mapping[str, Job],
-    ) -> None:
-        """A step returned; ``jobs`` have not taken its tokens yet."""
+    def stepped(self, step: StepDone) -> None:
         if self.metrics is not None:
-            self.metrics.stepped(view, outputs, seconds, jobs)
+            self.metrics.stepped(step)
         self.faults.stepped()
 
     def finished(self, job: Job) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from daemon.worker.generator import Load, StepView, TokenOut
+from daemon.ops.observer import StepDone
+from daemon.worker.generator import Load
 from daemon.worker.jobs import Job
 from daemon.worker.redis_io import Backoff
 from producers.schema import FINAL_STATE, FinishReason
@@ -88,24 +89,18 @@ class DaemonMetrics:
     def started(self) -> None:
         self.counters["batchd_jobs_started_total"].inc()
 
-    def stepped(
-        self,
-        view: StepView | None,
-        outputs: list[TokenOut],
-        seconds: float,
-        jobs: Mapping[str, Job],
-    ) -> None:
+    def stepped(self, step: StepDone) -> None:
         """One step: its time, batch, tokens and preemptions; each token's gap to the last,
-        or the time to it from enqueue if it is a job's first (``jobs`` have not taken this
-        step's tokens yet)."""
+        or the time to it from enqueue if it is a job's first."""
         now = time.monotonic()
-        self.histograms["batchd_step_duration_seconds"].observe(seconds)
+        view, jobs = step.view, step.jobs
+        self.histograms["batchd_step_duration_seconds"].observe(step.seconds)
         if view is not None:
             batch = len(view.decodes) + len(view.prefills)
             self.histograms["batchd_step_batch_size"].observe(batch)
             self.counters["batchd_prefill_tokens_total"].inc(sum(n for _, n in view.prefills))
             self.counters["batchd_preemptions_total"].inc(len(view.preempted))
-        for out in outputs:
+        for out in step.outputs:
             if out.token_id is not None:
                 self.counters["batchd_output_tokens_total"].inc()
                 last = self._last_token.get(out.job_id)

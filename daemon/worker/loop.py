@@ -28,7 +28,7 @@ from config import Settings
 from daemon.fleet.heartbeat import Heartbeat
 from daemon.fleet.housekeeping import trim_acked
 from daemon.fleet.recovery import Recovery
-from daemon.ops.observer import Ops
+from daemon.ops.observer import Ops, StepDone
 from daemon.worker import crashpoint
 from daemon.worker.acks import Acks
 from daemon.worker.control import Cancellations
@@ -211,7 +211,7 @@ class Worker:
         self.last_step_at = time.time()
         view = self.gen.last_step()
         self.meter.step(view, len(outputs))
-        self.ops.stepped(view, outputs, time.monotonic() - began, self.jobs)
+        self.ops.stepped(StepDone(view, outputs, time.monotonic() - began, self.jobs))
         crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
         for out in outputs:
             job = self.jobs.get(out.job_id)

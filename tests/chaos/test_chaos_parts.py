@@ -41,7 +41,7 @@ def test_a_cut_loses_what_was_written_in_the_last_second_only(tmp_path: Path) ->
         assert cut.dropped_bytes > 0
         assert client.exists("early") and not client.exists("late")
     finally:
-        tail.stop()
+        tail.join()
         server.kill()
 
 
