@@ -8,7 +8,13 @@ slot; attention then reads every sequence through its block table (see
 engine.forward.paged_attention). Logits are computed only for rows that sample, and
 for the prompt rows of a request that asked for its prompt's logprobs.
 
-On a multi-core CPU, decode attention runs on several MLX streams at once
+On a CPU with a float32 model, attention of every row (decode and prefill) and
+SwiGLU run in the C kernel of engine.forward.native, which reads K/V through
+the block tables in place; the layer's graph is evaluated before each call
+(once or twice a layer, ~0.1 ms each). Without it (no compiler, other dtypes,
+Metal), the MLX path below runs.
+
+On the MLX path on a multi-core CPU, decode attention runs on several MLX streams at once
 (one thread each): decode groups are cut into lanes (engine.forward.paged_attention).
 Prefill attention stays on one stream: its products are large enough for
 BLAS to use every core already, and sharing its KV heads out among streams
@@ -31,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.forward import fast_math
+from engine.forward import fast_math, native
 from engine.forward.kv_pool import KVPool
 from engine.forward.paged_attention import (
     DecodeGroup,
@@ -103,6 +109,9 @@ class _Plan:
     positions: mx.array
     slots: mx.array
     decode_groups: list[DecodeGroup]
+    # With the C kernel, instead of decode groups and prefill chunks: every real row's
+    # block table [rows, width] and number of keys to attend [rows].
+    kernel_rows: tuple[np.ndarray, np.ndarray] | None
     prefills: list[PrefillChunk]
     sample_rows: mx.array | None
     sample_order: list[int]  # chunk index of each sampled row, in row order
@@ -128,6 +137,10 @@ class ModelRunner:
         self._streams: dict[int, list[mx.Stream]] = {}
         self._tied_head = lay_out_for_cpu(model) if on_cpu else None
         self._row_multiple = ROW_MULTIPLE if on_cpu else 1
+        self.native_attention = (
+            on_cpu and self._fast_math and spec.dtype == mx.float32 and native.available()
+        )
+        self._threads = cpu_lanes()
         fast_math.tune_malloc()
 
     def _lane_streams(self) -> list[mx.Stream]:
@@ -183,7 +196,6 @@ class ModelRunner:
         return logits
 
     def _plan(self, chunks: Sequence[ChunkInput]) -> _Plan:
-        bs = self.pool.block_size
         decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         decodes.sort(key=lambda i: -chunks[i].start)
         prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
@@ -206,6 +218,52 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_order.append(i)
+        if self.native_attention:
+            kernel_rows = self._kernel_rows(chunks, order, positions)
+            groups, prefill_chunks = [], []
+        else:
+            kernel_rows = None
+            groups = self._decode_groups(chunks, decodes)
+            prefill_chunks = self._prefill_chunks(chunks, prefills, first_rows)
+        # Padding rows: token 0 at position 0, never written to the pool nor attended; the
+        # output projection runs on padded rows too (repeats of row 0, dropped after).
+        padding = padded_rows(len(tokens), self._row_multiple) - len(tokens)
+        if sample_rows:
+            sample_rows += [0] * (
+                padded_rows(len(sample_rows), self._row_multiple) - len(sample_rows)
+            )
+        return _Plan(
+            tokens=mx.array(np.asarray(tokens + [0] * padding, dtype=np.int32)),
+            positions=mx.array(np.asarray(positions + [0] * padding, dtype=np.int32)),
+            slots=mx.array(np.asarray(slots, dtype=np.int32)),
+            decode_groups=groups,
+            kernel_rows=kernel_rows,
+            prefills=prefill_chunks,
+            sample_rows=mx.array(np.asarray(sample_rows, dtype=np.int32)) if sample_rows else None,
+            sample_order=sample_order,
+            first_rows=first_rows,
+        )
+
+    def _kernel_rows(
+        self, chunks: Sequence[ChunkInput], order: list[int], positions: list[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each row attends to the keys up to its own position through its chunk's table:
+        a prefill row is a decode row of a shorter sequence."""
+        bs = self.pool.block_size
+        lengths = np.asarray(positions, dtype=np.int32) + 1
+        width = -(-int(lengths.max()) // bs)
+        tables = np.zeros((len(positions), width), dtype=np.int32)
+        row = 0
+        for i in order:
+            c = chunks[i]
+            n = len(c.token_ids)
+            used = -(-(c.start + n) // bs)
+            tables[row : row + n, :used] = np.asarray(c.block_table[:used], dtype=np.int32)
+            row += n
+        return tables, lengths
+
+    def _decode_groups(self, chunks: Sequence[ChunkInput], decodes: list[int]) -> list[DecodeGroup]:
+        bs = self.pool.block_size
         lengths = [chunks[i].start + 1 for i in decodes]
         groups = []
         for a, b, lane in split_for_lanes(lengths, group_decodes(lengths), self.lanes):
@@ -222,33 +280,22 @@ class ModelRunner:
                     lane=lane,
                 )
             )
-        row = len(decodes)
-        prefill_chunks = []
-        for i in prefills:
-            c = chunks[i]
-            prefill_chunks.append(
-                make_prefill_chunk(
-                    row, c.start, len(c.token_ids), list(c.block_table), block_size=bs
-                )
+        return groups
+
+    def _prefill_chunks(
+        self, chunks: Sequence[ChunkInput], prefills: list[int], first_rows: dict[int, int]
+    ) -> list[PrefillChunk]:
+        bs = self.pool.block_size
+        return [
+            make_prefill_chunk(
+                first_rows[i],
+                chunks[i].start,
+                len(chunks[i].token_ids),
+                list(chunks[i].block_table),
+                block_size=bs,
             )
-            row += len(c.token_ids)
-        # Padding rows: token 0 at position 0, never written to the pool nor attended; the
-        # output projection runs on padded rows too (repeats of row 0, dropped after).
-        padding = padded_rows(len(tokens), self._row_multiple) - len(tokens)
-        if sample_rows:
-            sample_rows += [0] * (
-                padded_rows(len(sample_rows), self._row_multiple) - len(sample_rows)
-            )
-        return _Plan(
-            tokens=mx.array(np.asarray(tokens + [0] * padding, dtype=np.int32)),
-            positions=mx.array(np.asarray(positions + [0] * padding, dtype=np.int32)),
-            slots=mx.array(np.asarray(slots, dtype=np.int32)),
-            decode_groups=groups,
-            prefills=prefill_chunks,
-            sample_rows=mx.array(np.asarray(sample_rows, dtype=np.int32)) if sample_rows else None,
-            sample_order=sample_order,
-            first_rows=first_rows,
-        )
+            for i in prefills
+        ]
 
     def _forward(self, plan: _Plan) -> mx.array:
         streams = self._lane_streams()
@@ -273,6 +320,8 @@ class ModelRunner:
             self.pool.v[index][:, plan.slots] = v_new[:, :real]
             k_blocks, v_blocks = self.pool.blocked(index)
             parts = []
+            if plan.kernel_rows is not None:
+                parts.append(self._kernel_attention(q[:real], index, plan.kernel_rows))
             for g in plan.decode_groups:
                 with mx.stream(streams[g.lane]):
                     queries = q[g.row_start : g.row_end]
@@ -299,9 +348,32 @@ class ModelRunner:
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
 
+    def _kernel_attention(
+        self, queries: mx.array, layer: int, rows: tuple[np.ndarray, np.ndarray]
+    ) -> mx.array:
+        """Every real row's attention by the C kernel; the graph so far is evaluated here."""
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        mx.eval(queries, k, v)
+        tables, lengths = rows
+        out = native.paged_decode(
+            np.asarray(queries),
+            np.asarray(k),
+            np.asarray(v),
+            tables,
+            lengths,
+            block_size=self.pool.block_size,
+            scale=self._scale,
+            threads=self._threads,
+        )
+        return mx.array(out.reshape(len(lengths), -1))
+
     def _mlp(self, mlp: Any, h: mx.array) -> mx.array:
         out: mx.array
-        if self._fast_math:
+        if self.native_attention:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            mx.eval(gate, up)
+            out = mlp.down_proj(mx.array(native.swiglu(np.asarray(gate), np.asarray(up))))
+        elif self._fast_math:
             out = mlp.down_proj(fast_math.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
         else:
             out = mlp(h)

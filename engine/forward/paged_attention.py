@@ -1,4 +1,7 @@
-"""Attention over the paged KV pool for a packed batch of tokens.
+"""Attention over the paged KV pool for a packed batch of tokens, in MLX.
+
+On a CPU with a float32 model the runner uses the C kernel of
+engine.forward.native instead; this is the path everywhere else.
 
 Decode rows (one query each) are attended in groups of similar length: each
 group gathers its sequences' blocks into a contiguous
