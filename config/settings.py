@@ -39,63 +39,55 @@ CONFIG_ENV_VAR = "BATCHD_CONFIG"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Each option's docstring is its description (JSON schema, documentation).
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class LimitSettings(_Section):
     """Limits applied to every job at validation time."""
 
-    max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted, in tokens.")
-    max_prompt_chars: int = Field(
-        200_000, ge=1, description="Longest prompt text (or all messages) in characters."
-    )
-    max_tokens_cap: int = Field(4096, ge=1, description="Largest max_tokens a job may ask for.")
-    max_message_bytes: int = Field(
-        1_000_000, ge=1, description="Largest job payload on the queue stream, in bytes."
-    )
-    max_messages: int = Field(256, ge=1, description="Most chat messages in one job.")
+    max_prompt_tokens: int = Field(32768, ge=1)
+    """Longest prompt accepted, in tokens."""
+    max_prompt_chars: int = Field(200_000, ge=1)
+    """Longest prompt text (or all messages) in characters."""
+    max_tokens_cap: int = Field(4096, ge=1)
+    """Largest max_tokens a job may ask for."""
+    max_message_bytes: int = Field(1_000_000, ge=1)
+    """Largest job payload on the queue stream, in bytes."""
+    max_messages: int = Field(256, ge=1)
+    """Most chat messages in one job."""
 
 
 class DaemonSettings(_Section):
     """The long-lived worker process."""
 
-    consumer_name: str | None = Field(
-        None, description="Consumer name in the group; unset: host:pid (unique per process)."
-    )
-    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often the heartbeat is set.")
-    heartbeat_ttl_s: float = Field(
-        10.0, gt=0, description="Heartbeat lifetime; a daemon silent this long counts as dead."
-    )
-    claim_interval_s: float = Field(
-        5.0, gt=0, description="How often to look for jobs of dead consumers to take over."
-    )
-    intake_buffer: int = Field(
-        4, ge=0, description="Jobs read beyond what the engine can run now (backpressure)."
-    )
-    block_ms: int = Field(
-        1000, ge=1, description="How long an idle daemon blocks on XREADGROUP, in ms."
-    )
-    grace_period_s: float = Field(
-        30.0, ge=0, description="On SIGTERM/SIGINT, time running jobs get to finish."
-    )
-    max_deliveries: int = Field(
-        5, ge=1, description="Deliveries after which a job is dead-lettered as poison."
-    )
-    redis_retry_max_s: float = Field(
-        5.0, gt=0, description="Longest backoff between Redis reconnection attempts."
-    )
-    metrics_port: int | None = Field(
-        None, ge=1, le=65535, description="Port of the Prometheus /metrics endpoint; unset: off."
-    )
-    metrics_addr: str = Field(
-        "127.0.0.1", min_length=1, description="Address the metrics endpoint listens on."
-    )
-    stall_timeout_s: float = Field(
-        300.0,
-        gt=0,
-        description="A daemon with work and no completed step this long counts as dead: "
-        "its jobs become claimable and it exits non-zero for its supervisor to restart it.",
-    )
+    consumer_name: str | None = None
+    """Consumer name in the group; unset: host:pid (unique per process)."""
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    """How often the heartbeat is set."""
+    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    """Heartbeat lifetime; a daemon silent this long counts as dead."""
+    claim_interval_s: float = Field(5.0, gt=0)
+    """How often to look for jobs of dead consumers to take over."""
+    intake_buffer: int = Field(4, ge=0)
+    """Jobs read beyond what the engine can run now (backpressure)."""
+    block_ms: int = Field(1000, ge=1)
+    """How long an idle daemon blocks on XREADGROUP, in ms."""
+    grace_period_s: float = Field(30.0, ge=0)
+    """On SIGTERM/SIGINT, time running jobs get to finish."""
+    max_deliveries: int = Field(5, ge=1)
+    """Deliveries after which a job is dead-lettered as poison."""
+    redis_retry_max_s: float = Field(5.0, gt=0)
+    """Longest backoff between Redis reconnection attempts."""
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the Prometheus /metrics endpoint; unset: off."""
+    metrics_addr: str = Field("127.0.0.1", min_length=1)
+    """Address the metrics endpoint listens on."""
+    stall_timeout_s: float = Field(300.0, gt=0)
+    """A daemon with work and no completed step this long counts as dead: its jobs become
+    claimable and it exits non-zero for its supervisor to restart it."""
 
     @field_validator("consumer_name")
     @classmethod
@@ -113,27 +105,26 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        use_attribute_docstrings=True,
     )
 
-    redis_url: str = Field(
-        DEFAULT_REDIS_URL, description="Redis URL (redis://, rediss://, unix://)."
-    )
-    key_prefix: str = Field("batchd", min_length=1, description="Prefix of every Redis key.")
-    model: str | None = Field(
-        None, description="Model served: local path, hub id, .gguf file or preset (smollm2)."
-    )
+    redis_url: str = DEFAULT_REDIS_URL
+    """Redis URL (redis://, rediss://, unix://)."""
+    key_prefix: str = Field("batchd", min_length=1)
+    """Prefix of every Redis key."""
+    model: str | None = None
+    """Model served: local path, hub id, .gguf file or preset (smollm2)."""
     queues: list[Annotated[str, StringConstraints(pattern=NAME_PATTERN)]] = Field(
         default_factory=lambda: ["default"],
         min_length=1,
-        description="Queues (streams <prefix>:queue:<name>) the daemon consumes.",
     )
-    result_ttl_s: int = Field(
-        86400, ge=1, description="Seconds a finished job's events and status are kept."
-    )
-    log_level: str = Field("INFO", description="Logging level (DEBUG, INFO, WARNING, ERROR).")
-    log_format: Literal["text", "json"] = Field(
-        "text", description="Log lines as text, or one JSON object per line."
-    )
+    """Queues (streams <prefix>:queue:<name>) the daemon consumes."""
+    result_ttl_s: int = Field(86400, ge=1)
+    """Seconds a finished job's events and status are kept."""
+    log_level: str = "INFO"
+    """Logging level (DEBUG, INFO, WARNING, ERROR)."""
+    log_format: Literal["text", "json"] = "text"
+    """Log lines as text, or one JSON object per line."""
     # The engine's own dataclass is the one definition of its options: pydantic validates
     # the fields by their types and runs EngineConfig's cross-field checks.
     engine: EngineConfig = Field(default_factory=EngineConfig)

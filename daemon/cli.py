@@ -1,7 +1,8 @@
 """The ``batchd`` command: one entry point, a subcommand per capability.
 
 Each capability module exposes ``register(subparsers)``, adding its
-subcommands with ``set_defaults(func=handler)``; a handler takes the parsed
+subcommands with :func:`producers.commands.subcommand.add_command` (the
+handler's docstring is the command's help); a handler takes the parsed
 arguments and the loaded Settings and returns the exit code. Modules are
 imported lazily by name so that a producer-only install (no MLX) still has
 every producer subcommand.

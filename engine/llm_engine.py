@@ -31,6 +31,7 @@ from engine.forward.model_runner import ModelRunner
 from engine.logits_processors import PENALTY_CONTEXT
 from engine.models.loader import LoadedModel, load
 from engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
+from engine.prompt import encode_prompt
 from engine.request_state import RequestState, TokenVerdict
 from engine.sampler import SampleRow, sample
 from engine.sampling_params import SamplingParams
@@ -137,8 +138,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
-        ids = self.encode_prompt(
-            request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages
+        ids = encode_prompt(
+            self.tokenizer,
+            request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
         )
         resumed = [int(t) for t in resume_output_token_ids]
         self._check_ids(request_id, ids + resumed + [t for t, _ in params.logit_bias])
@@ -249,40 +254,6 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # -- internals -------------------------------------------------------------------------
-
-    def encode_prompt(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: Sequence[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        """A request's prompt as token ids: text encoded, chat messages through the model's
-        chat template, ids as given. Exactly one of the three; raises InvalidRequest if the
-        prompt is empty or the tokenizer refuses it."""
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise InvalidRequest(
-                f"request {request_id!r}: give exactly one of prompt, prompt_token_ids, "
-                f"messages (got {sum(given)})"
-            )
-        try:
-            if prompt is not None:
-                ids = list(self.tokenizer.encode(prompt))
-            elif messages is not None:
-                ids = list(
-                    self.tokenizer.apply_chat_template(
-                        list(messages), add_generation_prompt=True, tokenize=True
-                    )
-                )
-            else:
-                ids = [int(t) for t in prompt_token_ids or ()]
-        except Exception as exc:  # the tokenizer or chat template refuses this input
-            raise InvalidRequest(f"request {request_id!r}: cannot tokenize: {exc}") from exc
-        if not ids:
-            raise InvalidRequest(f"request {request_id!r}: the prompt is empty")
-        return ids
 
     def _check_ids(self, request_id: str, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]

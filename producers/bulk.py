@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import time
 from collections.abc import Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +33,7 @@ from config import LimitSettings
 from producers.bulk_worker import RQ_QUEUE, rq_queue
 from producers.client import Client, follow
 from producers.errors import BulkBusy, JobFailed, ValidationError
+from producers.follow import Follower
 from producers.gateway.batch_lines import custom_id_of, is_openai_line, openai_job
 from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from producers.result import ResultBuilder
@@ -178,15 +180,15 @@ def run_bulk(
     return progress.as_dict()
 
 
+@dataclass(eq=False)
 class _Stop:
     """When a run must stop: its stop key exists (read at most every PROGRESS_EVERY_S)
     or its deadline has passed."""
 
-    def __init__(self, conn: redis.Redis, key: str | None, deadline: float | None) -> None:
-        self.conn = conn
-        self.key = key
-        self.deadline = deadline
-        self.checked = -PROGRESS_EVERY_S
+    conn: redis.Redis
+    key: str | None
+    deadline: float | None
+    checked: float = field(init=False, default=-PROGRESS_EVERY_S)
 
     def due(self) -> bool:
         if self.deadline is not None and time.time() > self.deadline:
@@ -198,33 +200,30 @@ class _Stop:
         return bool(self.conn.exists(self.key))
 
 
+@dataclass(eq=False)
 class _Window:
     """The jobs of a run in flight: at most ``window`` at once, refilled as each ends,
     so a million-line file never floods the batchd queue."""
 
-    def __init__(
-        self,
-        client: Client,
-        todo: Iterator[tuple[int, str]],
-        out: ResultFile,
-        progress: Progress,
-        *,
-        source: Path,
-        window: int,
-        stop: _Stop,
-    ) -> None:
-        self.client = client
-        self.todo = todo
-        self.out = out
-        self.progress = progress
-        self.source = source
-        self.window = window
-        self.stop = stop
-        self.stopped = False
-        self.follower = client.follower()
-        # Each explicit id runs for one line only: a repeat would silently share its result.
-        self.line_of: dict[str, int] = dict(out.ids)
-        self.in_flight: dict[str, tuple[int, ResultBuilder, dict[str, Any]]] = {}
+    client: Client
+    todo: Iterator[tuple[int, str]]
+    out: ResultFile
+    progress: Progress
+    _: KW_ONLY
+    source: Path
+    window: int
+    stop: _Stop
+    stopped: bool = field(init=False, default=False)
+    follower: Follower = field(init=False)
+    # Each explicit id runs for one line only: a repeat would silently share its result.
+    line_of: dict[str, int] = field(init=False)
+    in_flight: dict[str, tuple[int, ResultBuilder, dict[str, Any]]] = field(
+        init=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        self.follower = self.client.follower()
+        self.line_of = dict(self.out.ids)
 
     def should_stop(self) -> bool:
         """Whether the run must stop; when it first must, every job in flight is cancelled."""

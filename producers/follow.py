@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
 import redis
@@ -164,6 +164,7 @@ class _Outage:
         self.since, self.attempt = None, 0
 
 
+@dataclass(eq=False)
 class Follower:
     """Follows the events of a changing set of jobs; drive :meth:`plan` to use it.
 
@@ -172,26 +173,19 @@ class Follower:
     from now) bounds the whole follow and raises JobTimeout.
     """
 
-    def __init__(
-        self,
-        keys: Keys,
-        *,
-        block_ms: int = 1000,
-        status_interval_s: float = 1.0,
-        reconnect_timeout_s: float = 60.0,
-        retry_max_s: float = 2.0,
-        timeout: float | None = None,
-        missing_timeout_s: float = 10.0,
-    ) -> None:
-        self.keys = keys
-        self.block_ms = block_ms
-        self.status_interval_s = status_interval_s
-        self.reconnect_timeout_s = reconnect_timeout_s
-        self.retry_max_s = retry_max_s
-        self.timeout = timeout
-        self.missing_timeout_s = missing_timeout_s
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.cursors: dict[str, EventCursor] = {}
+    keys: Keys
+    _: KW_ONLY
+    block_ms: int = 1000
+    status_interval_s: float = 1.0
+    reconnect_timeout_s: float = 60.0
+    retry_max_s: float = 2.0
+    timeout: float | None = None
+    missing_timeout_s: float = 10.0
+    deadline: float | None = field(init=False)
+    cursors: dict[str, EventCursor] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
     def add(self, job_id: str, *, after_seq: int = -1) -> None:
         cursor = EventCursor(job_id, self.keys, after_seq=after_seq)

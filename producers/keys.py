@@ -57,50 +57,47 @@ def check_name(kind: str, value: str) -> str:
 
 
 @dataclass(frozen=True)
+class _Fixed:
+    """A name that depends on the prefix alone: ``<prefix>:<suffix>``."""
+
+    suffix: str
+
+    def __get__(self, keys: Keys, owner: type[Keys] | None = None) -> str:
+        return f"{keys.prefix}:{self.suffix}"
+
+
+@dataclass(frozen=True)
 class Keys:
     """Key names under one prefix; every producer and daemon builds names here."""
 
     prefix: str = DEFAULT_PREFIX
 
+    cancel = _Fixed("cancel")
+    dead = _Fixed("dead")
+    # What every queue stream's name starts with (the name follows).
+    queue_prefix = _Fixed("queue:")
+    # PSUBSCRIBE pattern of every job's token channel.
+    tokens_pattern = _Fixed("job:*:tokens")
+    # SCAN pattern of every live daemon's heartbeat key.
+    daemon_pattern = _Fixed("daemon:*")
+
     # Every name a caller passes is checked here, so no id can reach into another job's
     # keys (``X:events`` is job X's events stream) whoever builds the key.
 
     def queue(self, name: str = DEFAULT_QUEUE) -> str:
-        return f"{self.prefix}:queue:{check_name('queue', name)}"
-
-    @property
-    def queue_prefix(self) -> str:
-        """What every queue stream's name starts with (the name follows)."""
-        return f"{self.prefix}:queue:"
+        return f"{self.queue_prefix}{check_name('queue', name)}"
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{check_name('id', job_id)}"
 
     def events(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{check_name('id', job_id)}:events"
+        return f"{self.job(job_id)}:events"
 
     def tokens(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{check_name('id', job_id)}:tokens"
-
-    @property
-    def tokens_pattern(self) -> str:
-        """PSUBSCRIBE pattern of every job's token channel."""
-        return f"{self.prefix}:job:*:tokens"
-
-    @property
-    def cancel(self) -> str:
-        return f"{self.prefix}:cancel"
+        return f"{self.job(job_id)}:tokens"
 
     def daemon(self, consumer: str) -> str:
         return f"{self.prefix}:daemon:{consumer}"
-
-    @property
-    def daemon_pattern(self) -> str:
-        return f"{self.prefix}:daemon:*"
-
-    @property
-    def dead(self) -> str:
-        return f"{self.prefix}:dead"
 
 
 def event_id(seq: int) -> str:

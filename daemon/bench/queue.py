@@ -49,7 +49,7 @@ _QUEUE = "bench"
 _PREFIX = "batchd-bench"
 _START_TIMEOUT_S = 180.0
 _STOP_TIMEOUT_S = 30.0
-ROUNDS = 3
+ROUNDS = 2
 METHOD = (
     "in-process and queue runs alternate; each queue run over the mean of the in-process "
     "runs before and after it; ratio = median over rounds"

@@ -23,6 +23,7 @@ from daemon.bench.systems import (
     LABELS,
     OFFLINE_ORDER,
     SEQUENTIAL,
+    STATIC,
     Systems,
     SystemSettings,
     SystemUnavailable,
@@ -129,6 +130,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
         "mixed": mixed(scale=options.scale, vocab_size=vocab, seed=options.seed),
         "shared-prefix": shared_prefix(scale=options.scale, vocab_size=vocab, seed=options.seed),
     }
+    short_mixed = workloads["mixed"].subset(options.scale.short_requests)
     results = report["workloads"]
     for name in ("mixed", "shared-prefix"):
         if name in options.workloads:
@@ -136,10 +138,10 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
                 systems, workloads[name], flops=flops, scale=options.scale
             )
     if "online" in options.workloads:
-        results["online"] = online_workload(systems, workloads["mixed"], options, results)
+        results["online"] = online_workload(systems, short_mixed, options, results)
     if "queue" in options.workloads:
         results["queue"] = queue.run_queue(
-            systems, workloads["mixed"], redis_url=options.redis_url, progress=progress
+            systems, short_mixed, redis_url=options.redis_url, progress=progress
         )
     report["headline"] = headline(report)
     return report
@@ -164,7 +166,7 @@ def offline_workload(
         "unavailable": {},
     }
     for key in OFFLINE_ORDER:
-        part = workload.subset(scale.sequential_requests) if key == SEQUENTIAL else workload
+        part = workload.subset(_requests_for(key, workload, scale))
         try:
             stats = systems.offline(key, part)
         except SystemUnavailable as exc:
@@ -181,6 +183,15 @@ def offline_workload(
             if key != BATCHD and done[key]["tok_s"] > 0
         }
     return result
+
+
+def _requests_for(key: str, workload: Workload, scale: Scale) -> int:
+    """How many of ``workload``'s requests system ``key`` runs (see Scale)."""
+    if key == SEQUENTIAL:
+        return scale.sequential_requests
+    if key == STATIC:
+        return scale.short_requests
+    return len(workload.requests)
 
 
 def online_workload(

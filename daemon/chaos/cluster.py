@@ -44,13 +44,6 @@ class DaemonSlot:
     starts: int = 0
 
 
-@dataclass(frozen=True)
-class UnexpectedExit:
-    daemon: int
-    returncode: int
-    log_tail: str
-
-
 @dataclass
 class Cluster:
     """Start with :meth:`start`; stop with :meth:`stop`."""
@@ -62,7 +55,8 @@ class Cluster:
     redis_server: RedisServer = field(init=False)
     aof: AofTail = field(init=False)
     slots: list[DaemonSlot] = field(default_factory=list)
-    unexpected_exits: list[UnexpectedExit] = field(default_factory=list)
+    # Each daemon death the run did not cause, as a finding: exit code and last log lines.
+    unexpected_exits: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _watching: threading.Event = field(default_factory=threading.Event)
 
@@ -174,8 +168,9 @@ class Cluster:
                     proc = slot.proc
                     if proc is None or proc.poll() is None or slot.expecting_exit:
                         continue
-                    exit_ = UnexpectedExit(slot.index, proc.returncode, self.log_tail(slot))
-                    self.unexpected_exits.append(exit_)
+                    self.unexpected_exits.append(
+                        f"daemon {slot.index} exited {proc.returncode}:\n{self.log_tail(slot)}"
+                    )
                     log.error("daemon %d exited (%d) unasked", slot.index, proc.returncode)
                     self._spawn(slot)
 

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 
 from daemon.chaos.background import Background
@@ -58,27 +58,21 @@ def schedule(counts: dict[FaultKind, int], daemons: int, seed: int) -> list[Faul
     return sorted(faults, key=lambda f: f.at_progress)
 
 
+@dataclass(eq=False)
 class Injector(Background):
     """Runs the schedule against a cluster, waiting for each fault's point of progress."""
 
-    def __init__(
-        self,
-        cluster: Cluster,
-        ledger: Ledger,
-        faults: list[Fault],
-        holds: Holds,
-        *,
-        progress: Callable[[], float],
-        after_redis_crash: Callable[[float], None],
-    ) -> None:
+    cluster: Cluster
+    ledger: Ledger
+    faults: list[Fault]
+    holds: Holds
+    _: KW_ONLY
+    progress: Callable[[], float]
+    after_redis_crash: Callable[[float], None]
+    fired: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
         super().__init__("chaos-faults", join_timeout_s=120)
-        self.cluster = cluster
-        self.ledger = ledger
-        self.faults = faults
-        self.holds = holds
-        self.progress = progress
-        self.after_redis_crash = after_redis_crash
-        self.fired = 0
 
     def next_point(self) -> float | None:
         """The share of progress at which the next fault fires; None once all have."""

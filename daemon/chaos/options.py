@@ -1,23 +1,46 @@
 """What a chaos run does: its size, its seed and how many of each fault (light to import:
-the command line reads the defaults from here without loading MLX)."""
+the command line builds its options from these fields without loading MLX)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+
+def flag(default: int | float, about: str, **argparse_options: Any) -> Any:
+    """A field that is also a ``batchd chaos`` option; ``about`` is its help text."""
+    return field(default=default, metadata={"help": about, **argparse_options})
 
 
 @dataclass(frozen=True)
 class ChaosOptions:
-    jobs: int = 2000
-    kills: int = 20
-    daemons: int = 2
-    seed: int = 0
-    minutes: float = 30.0
-    hostile: int = 200
-    redis_crashes: int = 2
-    # How many of each other fault: daemon stop, partition, Redis pause, refused writes,
-    # read-only window.
-    each_other_fault: int = 1
+    jobs: int = flag(2000, "jobs to run")
+    kills: int = flag(20, "daemon SIGKILLs")
+    daemons: int = flag(2, "daemons")
+    seed: int = flag(0, "seed of jobs and faults")
+    minutes: float = flag(30.0, "give up after this many minutes")
+    hostile: int = flag(200, "hostile entries")
+    redis_crashes: int = flag(2, "Redis SIGKILLs losing the last second of writes")
+    each_other_fault: int = flag(
+        1,
+        "how many of each other fault: daemon SIGSTOP, partition, Redis pause, refused "
+        "writes, read-only window",
+        metavar="N",
+    )
     subscribers: int = 4
     window: int = 48
-    result_ttl_s: int = 60
+    result_ttl_s: int = flag(
+        60,
+        "result_ttl_s of the run's daemons; the keys left are counted after it",
+        metavar="S",
+        name="--result-ttl",
+    )
+
+
+def command_line_fields() -> list[Field[Any]]:
+    """The fields ``batchd chaos`` takes as options (those declared with :func:`flag`)."""
+    return [f for f in fields(ChaosOptions) if "help" in f.metadata]
+
+
+def option_name(f: Field[Any]) -> str:
+    return str(f.metadata.get("name", "--" + f.name.replace("_", "-")))

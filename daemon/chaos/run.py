@@ -170,10 +170,7 @@ def run_chaos(
         verdict = judge(
             jobs, reference, ledger, admin, unexpected_exits=len(cluster.unexpected_exits)
         )
-        for exit_ in cluster.unexpected_exits:
-            verdict.findings.append(
-                f"daemon {exit_.daemon} exited {exit_.returncode}:\n{exit_.log_tail}"
-            )
+        verdict.findings += cluster.unexpected_exits
         progress(f"waiting {options.result_ttl_s}s for the results to expire")
         time.sleep(options.result_ttl_s + 2)
         keys_left, other_keys = _keys_left(admin)

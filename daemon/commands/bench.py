@@ -15,15 +15,11 @@ from typing import Any
 
 from config import Settings
 from engine.models.registry import MODEL_CACHE, PRESET_NAMES
+from producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="benchmark batchd against mlx-lm's BatchGenerator, sequential and static batching",
-        description="Run batchd's engine and its peers on the same model and seeded requests, "
-        "side by side, and report throughput ratios, latency and model-FLOPs utilisation.",
-    )
+    p = add_command(sub, "bench", run)
     p.add_argument(
         "--workload",
         default="all",
@@ -65,7 +61,6 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
     p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
 
 
 def _prefill_bound(text: str) -> int | None:
@@ -96,6 +91,11 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Benchmark batchd against mlx-lm's BatchGenerator, sequential and static batching.
+
+    Run batchd's engine and its peers on the same model and seeded requests, side by side, and
+    report throughput ratios, latency and model-FLOPs utilisation.
+    """
     try:
         from daemon.bench.progress import Progress
         from daemon.bench.report import write_report

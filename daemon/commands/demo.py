@@ -7,17 +7,11 @@ from typing import Any
 
 from config import Settings
 from engine.models.registry import MODEL_CACHE, PRESET_NAMES
+from producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="run a daemon on SmolLM2 and stream answers to a few chat questions",
-        description="Uses the configured Redis if it answers, else a private redis-server, "
-        "else fakeredis; prepares the model in .batchd/models/NAME if absent; submits chat "
-        "questions of different lengths from producer threads and shows the answers "
-        "arriving live. --preset tiny: random weights, gibberish text, fast steps.",
-    )
+    p = add_command(sub, "demo", run)
     model = p.add_mutually_exclusive_group()
     model.add_argument(
         "--preset",
@@ -47,10 +41,16 @@ def register(sub: Any) -> None:
         metavar="DIR",
         help=f"where the preset's model is (prepared there if absent; default: {MODEL_CACHE}/NAME)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Run a daemon on SmolLM2 and stream answers to a few chat questions.
+
+    Uses the configured Redis if it answers, else a private redis-server, else fakeredis;
+    prepares the model in .batchd/models/NAME if absent; submits chat questions of different
+    lengths from producer threads and shows the answers arriving live. --preset tiny: random
+    weights, gibberish text, fast steps.
+    """
     from pathlib import Path
 
     from daemon.demo.run import run_demo

@@ -9,17 +9,11 @@ from typing import Any
 
 from config import Settings
 from engine.models.registry import PACKAGED, PRESET_NAMES
+from producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "make-model",
-        help="write a model directory: a preset (random-weight or smollm2) or a GGUF import",
-        description="Write an mlx-lm model directory. Random-weight presets (tiny, "
-        "bench-small, bench-1b): same seed, same bytes. smollm2: the packaged "
-        "SmolLM2-135M-Instruct. --from-gguf FILE: convert a llama-family GGUF "
-        "(F32, F16, Q4_0, Q4_1, Q8_0 tensors; byte-level BPE tokenizer).",
-    )
+    p = add_command(sub, "make-model", run)
     p.add_argument("out_dir", metavar="OUT_DIR")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
@@ -34,10 +28,15 @@ def register(sub: Any) -> None:
     p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", type=int, metavar="BITS", choices=[4, 8], default=None)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Write a model directory: a preset (random-weight or smollm2) or a GGUF import.
+
+    Write an mlx-lm model directory. Random-weight presets (tiny, bench-small, bench-1b): same
+    seed, same bytes. smollm2: the packaged SmolLM2-135M-Instruct. --from-gguf FILE: convert a
+    llama-family GGUF (F32, F16, Q4_0, Q4_1, Q8_0 tensors; byte-level BPE tokenizer).
+    """
     try:
         from engine.models.gguf_convert import convert_gguf
         from engine.models.gguf_header import GGUFError

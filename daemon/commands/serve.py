@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from config import Settings
 from config.settings import default_consumer_name
+from producers.commands.subcommand import add_command
 
 if TYPE_CHECKING:  # imported when serving: prometheus-client and MLX only then
     from daemon.ops.prom import DaemonMetrics
@@ -20,13 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="run the worker daemon: jobs from Redis streams in, tokens out",
-        description="Join the consumer group of each queue, run jobs through the engine and "
-        "publish every token. SIGTERM/SIGINT: stop taking jobs, let running ones finish "
-        "within daemon.grace_period_s, leave the rest pending; a second signal stops at once.",
-    )
+    p = add_command(sub, "serve", run)
     p.add_argument(
         "--model",
         metavar="MODEL",
@@ -52,7 +47,6 @@ def register(sub: Any) -> None:
         help="serve Prometheus metrics at http://<daemon.metrics_addr>:PORT/metrics "
         "(default: daemon.metrics_port; unset: off)",
     )
-    p.set_defaults(func=run)
 
 
 def apply_args(settings: Settings, args: argparse.Namespace) -> Settings:
@@ -73,6 +67,12 @@ def apply_args(settings: Settings, args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the worker daemon: jobs from Redis streams in, tokens out.
+
+    Join the consumer group of each queue, run jobs through the engine and publish every token.
+    SIGTERM/SIGINT: stop taking jobs, let running ones finish within daemon.grace_period_s,
+    leave the rest pending; a second signal stops at once.
+    """
     settings = apply_args(settings, args)
     if not settings.model:
         print("batchd serve: no model: give --model or set model / BATCHD_MODEL", file=sys.stderr)

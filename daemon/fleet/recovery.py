@@ -19,7 +19,8 @@ from typing import Any
 import redis
 
 from daemon.worker.jobs import Delivery
-from producers.keys import CONSUMER_GROUP, Keys
+from daemon.worker.member import Member
+from producers.keys import CONSUMER_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -105,44 +106,36 @@ class Recovery:
     and forgetting those consumers once they hold nothing."""
 
     def __init__(
-        self,
-        client: redis.Redis,
-        keys: Keys,
-        *,
-        consumer: str,
-        heartbeat_ttl_s: float,
-        stall_timeout_s: float = 300.0,
+        self, member: Member, *, heartbeat_ttl_s: float, stall_timeout_s: float = 300.0
     ) -> None:
-        self.redis = client
-        self.keys = keys
-        self.consumer = consumer
+        self.member = member
         self.stall_timeout_s = stall_timeout_s
         # Besides the heartbeat check: nothing idle for less than a heartbeat TTL is touched.
         self.min_idle_ms = int(heartbeat_ttl_s * 1000)
-        self._claim = client.register_script(_CLAIM)
-        self._forget = client.register_script(_FORGET)
-        self._requeue = client.register_script(_REQUEUE)
+        self._claim = member.redis.register_script(_CLAIM)
+        self._forget = member.redis.register_script(_FORGET)
+        self._requeue = member.redis.register_script(_REQUEUE)
 
     def own_pending(self, queue: str) -> list[Delivery]:
         """Entries this consumer name already holds (a restart under a stable name)."""
-        stream = self.keys.queue(queue)
+        stream = self.member.keys.queue(queue)
         out: list[Delivery] = []
         last = "0"
         while True:
-            reply: Any = self.redis.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {stream: last}, count=100
+            reply: Any = self.member.redis.xreadgroup(
+                CONSUMER_GROUP, self.member.consumer, {stream: last}, count=100
             )
             entries = reply[0][1] if reply else []
             if not entries:
                 break
             ids = [entry_id for entry_id, _ in entries]
-            pending: Any = self.redis.xpending_range(
-                stream, CONSUMER_GROUP, ids[0], ids[-1], len(ids), consumername=self.consumer
+            pending: Any = self.member.redis.xpending_range(
+                stream, CONSUMER_GROUP, ids[0], ids[-1], len(ids), consumername=self.member.consumer
             )
             counts = {p["message_id"]: p["times_delivered"] for p in pending}
             for entry_id, fields in entries:
                 if fields is None:  # deleted from the stream while pending
-                    self.redis.xack(stream, CONSUMER_GROUP, entry_id)
+                    self.member.redis.xack(stream, CONSUMER_GROUP, entry_id)
                     continue
                 out.append(
                     Delivery(queue, entry_id.decode(), fields, deliveries=counts.get(entry_id, 1))
@@ -159,20 +152,20 @@ class Recovery:
         Gone from both (Redis lost the entry itself), the job exists only in this
         process: its entry is added again from memory (False), so that a daemon dying
         later cannot leave a job nobody will ever resume."""
-        stream = self.keys.queue(delivery.queue)
+        stream = self.member.keys.queue(delivery.queue)
         entry = delivery.entry_id
         try:
-            pending: Any = self.redis.xpending_range(stream, CONSUMER_GROUP, entry, entry, 1)
+            pending: Any = self.member.redis.xpending_range(stream, CONSUMER_GROUP, entry, entry, 1)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             pending = []  # the group is gone with the rest (intake creates it again)
         if pending:
-            return bool(pending[0]["consumer"].decode() == self.consumer)
-        if self.redis.xrange(stream, entry, entry):
+            return bool(pending[0]["consumer"].decode() == self.member.consumer)
+        if self.member.redis.xrange(stream, entry, entry):
             return False
         fields = [part for pair in delivery.fields.items() for part in pair]
-        job = self.keys.job(job_id)
+        job = self.member.keys.job(job_id)
         added: Any = self._requeue(keys=[stream, job], args=fields)
         log.warning(
             "queue entry %s was lost by Redis; its job enqueued again as %s",
@@ -184,18 +177,20 @@ class Recovery:
     def strays(self, queue: str, *, held: set[str]) -> list[Delivery]:
         """Entries pending for this consumer that it does not hold: a lost XREADGROUP
         reply, or a pickup cut short. Taken back (XCLAIM to itself) to be picked up."""
-        stream = self.keys.queue(queue)
-        pending: Any = self.redis.xpending_range(
-            stream, CONSUMER_GROUP, "-", "+", SCAN, consumername=self.consumer
+        stream = self.member.keys.queue(queue)
+        pending: Any = self.member.redis.xpending_range(
+            stream, CONSUMER_GROUP, "-", "+", SCAN, consumername=self.member.consumer
         )
         out = []
         for row in pending:
             entry_id = row["message_id"]
             if entry_id.decode() in held:
                 continue
-            claimed: Any = self.redis.xclaim(stream, CONSUMER_GROUP, self.consumer, 0, [entry_id])
+            claimed: Any = self.member.redis.xclaim(
+                stream, CONSUMER_GROUP, self.member.consumer, 0, [entry_id]
+            )
             if not claimed or claimed[0] is None or claimed[0][1] is None:
-                self.redis.xack(stream, CONSUMER_GROUP, entry_id)
+                self.member.redis.xack(stream, CONSUMER_GROUP, entry_id)
                 log.error("own pending entry %s was deleted from the stream; acked", entry_id)
                 continue
             log.warning("entry %s on queue %s was pending here unseen; picked up", entry_id, queue)
@@ -207,7 +202,9 @@ class Recovery:
         """Up to ``limit`` entries of dead consumers on ``queue``, now owned by this one."""
         if limit <= 0:
             return []
-        rows, deleted = self._claim(keys=[self.keys.queue(queue)], args=self._args(limit, SCAN))
+        rows, deleted = self._claim(
+            keys=[self.member.keys.queue(queue)], args=self._args(limit, SCAN)
+        )
         for entry_id in deleted:
             log.error(
                 "pending entry %s on queue %s was deleted from the stream; acked, job lost",
@@ -228,14 +225,14 @@ class Recovery:
 
     def forget_dead(self, queue: str) -> int:
         """Remove dead consumers with nothing pending from ``queue``'s group; returns how many."""
-        gone: int = self._forget(keys=[self.keys.queue(queue)], args=self._args())
+        gone: int = self._forget(keys=[self.member.keys.queue(queue)], args=self._args())
         return gone
 
     def _args(self, *extra: int) -> list[str | int]:
         return [
-            self.keys.daemon(""),
+            self.member.keys.daemon(""),
             CONSUMER_GROUP,
-            self.consumer,
+            self.member.consumer,
             self.min_idle_ms,
             repr(self.stall_timeout_s),
             *extra,

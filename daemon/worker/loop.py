@@ -35,6 +35,7 @@ from daemon.worker.control import Cancellations
 from daemon.worker.generator import Generator, JobRejected, JobStart, StepView, TokenOut
 from daemon.worker.intake import Intake
 from daemon.worker.jobs import Delivery, Job
+from daemon.worker.member import Member
 from daemon.worker.metrics import Meter
 from daemon.worker.pickup import PickupPolicy
 from daemon.worker.publisher import Piggyback, Publisher
@@ -75,20 +76,15 @@ class Worker:
         self.publisher = Publisher(
             self.redis, self.keys, owner=consumer, result_ttl_s=settings.result_ttl_s
         )
+        member = Member(self.redis, self.keys, consumer)
         self.pickup = PickupPolicy(
-            self.redis,
-            self.keys,
-            consumer=consumer,
+            member,
             limits=settings.limits,
             max_deliveries=opts.max_deliveries,
             encode=generator.encode,
         )
         self.recovery = Recovery(
-            self.redis,
-            self.keys,
-            consumer=consumer,
-            heartbeat_ttl_s=opts.heartbeat_ttl_s,
-            stall_timeout_s=opts.stall_timeout_s,
+            member, heartbeat_ttl_s=opts.heartbeat_ttl_s, stall_timeout_s=opts.stall_timeout_s
         )
         self.cancels = Cancellations(self.keys)
         self.intake_reader = Intake(self.keys, self.queues, consumer=consumer)

@@ -11,6 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.constraints import Constraint
 from engine.exceptions import InvalidRequest
 from engine.outputs import ChunkKind
+from engine.prompt import encode_prompt
 from producers.schema import FinishReason, JobRequest, ResponseFormat, sequence_seed
 
 
@@ -30,7 +31,8 @@ class MLXGenerator:
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         messages = None if request.messages is None else [m.model_dump() for m in request.messages]
         try:
-            return self.engine.encode_prompt(
+            return encode_prompt(
+                self.engine.tokenizer,
                 job_id,
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,

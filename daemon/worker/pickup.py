@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import orjson
@@ -24,8 +24,9 @@ from config import LimitSettings
 from daemon.worker.fence import CREATE_ONLY
 from daemon.worker.generator import JobRejected
 from daemon.worker.jobs import Delivery, Job
+from daemon.worker.member import Member
 from producers.errors import ValidationError
-from producers.keys import EVENT_FIELD, JOB_FIELD, Keys, is_name
+from producers.keys import EVENT_FIELD, JOB_FIELD, is_name
 from producers.schema import (
     Event,
     FinishReason,
@@ -51,35 +52,25 @@ class Pickup:
     acks: list[Delivery] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class PickupPolicy:
     """Turns deliveries into jobs to run, jobs to end at once, and entries to just ack."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: Keys,
-        *,
-        consumer: str,
-        limits: LimitSettings,
-        max_deliveries: int,
-        encode: Encode,
-    ) -> None:
-        self.redis = client
-        self.keys = keys
-        self.consumer = consumer
-        self.limits = limits
-        self.max_deliveries = max_deliveries
-        self.encode = encode
+    member: Member
+    _: KW_ONLY
+    limits: LimitSettings
+    max_deliveries: int
+    encode: Encode
 
     def pick_up(self, deliveries: list[Delivery]) -> Pickup:
         out = Pickup()
         if not deliveries:
             return out
         jobs = [_parse_alone(delivery, self.limits) for delivery in deliveries]
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.member.redis.pipeline(transaction=False)
         for job in jobs:
-            pipe.hgetall(self.keys.job(job.job_id))
-            pipe.xrange(self.keys.events(job.job_id))
+            pipe.hgetall(self.member.keys.job(job.job_id))
+            pipe.xrange(self.member.keys.events(job.job_id))
         replies = pipe.execute(raise_on_error=False)
         for i, job in enumerate(jobs):
             try:
@@ -201,7 +192,7 @@ class PickupPolicy:
         job.set_status(
             state=JobState.running,
             queue=job.delivery.queue,
-            daemon=self.consumer,
+            daemon=self.member.consumer,
             entry=job.delivery.entry_id,
             queued_at=job.timings.queued,
             started_at=job.timings.started,

@@ -14,6 +14,7 @@ from rq.serializers import JSONSerializer
 from config import Settings
 from producers.bulk import enqueue_bulk
 from producers.bulk_worker import RQ_QUEUE, bulk_worker
+from producers.commands.subcommand import add_command
 from producers.errors import ValidationError
 
 ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}
@@ -21,29 +22,20 @@ BAR_WIDTH = 30
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "bulk",
-        help="run a JSONL file of jobs through batchd on rq, results to a JSONL file",
-        description="Enqueue a bulk run on rq: every line of IN (a job request, e.g. "
-        '{"prompt": "..."}) goes to batchd with at most --window jobs in flight; one '
-        "result line per input is appended to OUT. Re-running skips lines already in "
-        "OUT. A `batchd bulk-worker` runs it.",
-    )
+    p = add_command(sub, "bulk", bulk)
     p.add_argument("input", metavar="IN.jsonl")
     p.add_argument("--out", required=True, metavar="OUT.jsonl")
     p.add_argument("--window", type=int, default=64, help="most jobs in flight (default 64)")
     p.add_argument("--queue", default="default", help="batchd queue (default: default)")
     p.add_argument("--rq-queue", default=RQ_QUEUE, help=f"rq queue (default: {RQ_QUEUE})")
     p.add_argument("--follow", action="store_true", help="show progress until the run ends")
-    p.set_defaults(func=bulk)
 
-    p = sub.add_parser("bulk-worker", help="run the rq worker for bulk runs")
+    p = add_command(sub, "bulk-worker", worker)
     p.add_argument("--rq-queue", default=RQ_QUEUE, help=f"rq queue (default: {RQ_QUEUE})")
     p.add_argument("--burst", action="store_true", help="exit once the queue is empty")
     p.add_argument(
         "--no-fork", action="store_true", help="run jobs in this process (rq SimpleWorker)"
     )
-    p.set_defaults(func=worker)
 
 
 def _connection(settings: Settings) -> redis.Redis:
@@ -51,6 +43,12 @@ def _connection(settings: Settings) -> redis.Redis:
 
 
 def bulk(args: argparse.Namespace, settings: Settings) -> int:
+    """Run a JSONL file of jobs through batchd on rq, results to a JSONL file.
+
+    Enqueue a bulk run on rq: every line of IN (a job request, e.g. {"prompt": "..."}) goes to
+    batchd with at most --window jobs in flight; one result line per input is appended to OUT.
+    Re-running skips lines already in OUT. A `batchd bulk-worker` runs it.
+    """
     connection = _connection(settings)
     try:
         job = enqueue_bulk(
@@ -112,6 +110,7 @@ def _failure(job: Job) -> str:
 
 
 def worker(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the rq worker for bulk runs."""
     try:
         bulk_worker(
             _connection(settings),

@@ -9,16 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from config import Settings
+from producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "gateway",
-        help="serve the OpenAI HTTP API in front of the batchd fleet",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and the "
-        "Batch API (/v1/files, /v1/batches) by turning requests into batchd jobs on --queue. "
-        "Batches run on `batchd bulk-worker`, which must see --files-dir.",
-    )
+    p = add_command(sub, "gateway", gateway)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--queue", default="default", help="batchd queue (default: default)")
@@ -48,11 +43,15 @@ def register(sub: Any) -> None:
         default=Path(".batchd/gateway-files"),
         help="where Batch API files live (shared with the bulk worker)",
     )
-    p.set_defaults(func=gateway)
 
 
 def gateway(args: argparse.Namespace, settings: Settings) -> int:
-    """Run uvicorn until Ctrl-C/SIGTERM; exit 2 when the gateway extra is not installed."""
+    """Serve the OpenAI HTTP API in front of the batchd fleet.
+
+    Serve /v1/chat/completions, /v1/completions, /v1/models, /health and the Batch API
+    (/v1/files, /v1/batches) by turning requests into batchd jobs on --queue. Batches run on
+    `batchd bulk-worker`, which must see --files-dir.
+    """
     try:
         import uvicorn
 

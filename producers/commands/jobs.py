@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,15 @@ import redis
 from config import Settings
 from config.secrets import redact
 from producers.client import Client
+from producers.commands.subcommand import Handler, add_command
 from producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
 from producers.result import ResultBuilder
 from producers.schema import Event, protocol_schema_json
 
-Handler = Callable[[argparse.Namespace, Settings], int]
-
 
 def register(sub: Any) -> None:
     """Add the producer subcommands to the ``batchd`` parser."""
-    p = sub.add_parser("submit", help="enqueue a generation job", description=submit.__doc__)
+    p = add_command(sub, "submit", submit)
     p.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
     p.add_argument("--max-tokens", type=int, metavar="N")
     p.add_argument("--temperature", type=float, metavar="T")
@@ -60,24 +59,19 @@ def register(sub: Any) -> None:
     mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
     mode.add_argument("--wait", action="store_true", help="wait and print the result")
     _add_output_options(p)
-    p.set_defaults(func=submit)
 
-    p = sub.add_parser("stream", help="print a job's tokens, replayed then live")
+    p = add_command(sub, "stream", stream)
     p.add_argument("job_id", metavar="ID")
     _add_output_options(p)
-    p.set_defaults(func=stream)
 
-    p = sub.add_parser("status", help="show a job's status hash")
+    p = add_command(sub, "status", status)
     p.add_argument("job_id", metavar="ID")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=status)
 
-    p = sub.add_parser("cancel", help="cancel a queued or running job")
+    p = add_command(sub, "cancel", cancel)
     p.add_argument("job_id", metavar="ID")
-    p.set_defaults(func=cancel)
 
-    p = sub.add_parser("schema", help="print the wire protocol as JSON Schema")
-    p.set_defaults(func=schema)
+    add_command(sub, "schema", schema)
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:
@@ -122,7 +116,10 @@ def _client(settings: Settings, queue: str | None = None) -> Client:
 
 @_guarded
 def submit(args: argparse.Namespace, settings: Settings) -> int:
-    """Enqueue a job; print its id, or stream its text (--stream), or wait for it (--wait)."""
+    """Enqueue a generation job.
+
+    Prints the job's id, or streams its text (--stream), or waits for it (--wait).
+    """
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options = {
         "max_tokens": args.max_tokens,
@@ -181,6 +178,7 @@ def _response_format(schema_file: str | None, raw: str | None) -> dict[str, Any]
 
 @_guarded
 def stream(args: argparse.Namespace, settings: Settings) -> int:
+    """Print a job's tokens, replayed then live."""
     with _client(settings) as client:
         client.status(args.job_id)  # unknown ids fail here instead of waiting
         events = client.stream(args.job_id, timeout=args.timeout)
@@ -218,6 +216,7 @@ def _print_events(events: Iterator[Event], job_id: str, *, as_json: bool, live: 
 
 @_guarded
 def status(args: argparse.Namespace, settings: Settings) -> int:
+    """Show a job's status hash."""
     with _client(settings) as client:
         state = client.status(args.job_id)
     fields = state.model_dump(mode="json", exclude_none=True)
@@ -231,6 +230,7 @@ def status(args: argparse.Namespace, settings: Settings) -> int:
 
 @_guarded
 def cancel(args: argparse.Namespace, settings: Settings) -> int:
+    """Cancel a queued or running job."""
     with _client(settings) as client:
         if client.cancel(args.job_id):
             print(f"cancel requested for {args.job_id}")
@@ -240,6 +240,7 @@ def cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def schema(args: argparse.Namespace, settings: Settings) -> int:
+    """Print the wire protocol as JSON Schema."""
     sys.stdout.write(protocol_schema_json())
     return 0
 

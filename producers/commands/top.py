@@ -10,29 +10,27 @@ from typing import Any
 import redis
 
 from config import Settings
+from producers.commands.subcommand import add_command
 from producers.keys import Keys
 from producers.top import CLEAR, render, snapshot_json, take_snapshot
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "top",
-        help="live view of daemons and queues",
-        description="Show every live daemon (from its heartbeat: model, queues, running and "
-        "waiting jobs, KV usage, tokens/s) and every queue (length, unread, pending, "
-        "consumers), refreshed every --interval seconds until Ctrl-C.",
-    )
+    p = add_command(sub, "top", top)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON (one line per snapshot)")
     p.add_argument(
         "--interval", type=_positive, default=1.0, metavar="SECONDS", help="refresh period"
     )
-    p.set_defaults(func=top)
 
 
 def top(args: argparse.Namespace, settings: Settings) -> int:
-    """Print snapshots until Ctrl-C (or one with --once); exit 3 if Redis is unreachable
-    with --once, else keep retrying each interval."""
+    """Live view of daemons and queues.
+
+    Show every live daemon (from its heartbeat: model, queues, running and waiting jobs, KV
+    usage, tokens/s) and every queue (length, unread, pending, consumers), refreshed every
+    --interval seconds until Ctrl-C.
+    """
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     keys = Keys(settings.key_prefix)
     clear = not args.json and not args.once and sys.stdout.isatty()

@@ -8,29 +8,25 @@ Messages never carry the Redis URL: Redis failures get a fixed text.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 
+# repr=False keeps Exception's repr; eq=False keeps exceptions hashable by identity.
+@dataclass(repr=False, eq=False)
 class APIError(Exception):
     """An error answered in OpenAI's shape; ``param`` names the request field at fault."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-        super().__init__(message)
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
         return {

@@ -10,23 +10,16 @@ yet; XLEN minus pending before Redis 7). Heartbeats are read at most once per
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 
 from producers.keys import CONSUMER_GROUP, Keys
+from producers.schema import DaemonHeartbeat
 
 SCAN_COUNT = 500
-
-
-@dataclass(frozen=True)
-class Daemon:
-    consumer: str
-    model: str
-    queues: tuple[str, ...]
 
 
 class Fleet:
@@ -39,28 +32,30 @@ class Fleet:
         self.keys = keys
         self.queue = queue
         self.cache_s = cache_s
-        self._daemons: list[Daemon] = []
+        self._daemons: list[DaemonHeartbeat] = []
         self._read_at = -float("inf")
 
-    async def daemons(self) -> list[Daemon]:
+    async def daemons(self) -> list[DaemonHeartbeat]:
         """Daemons with a live heartbeat that consume this gateway's queue."""
         if time.monotonic() - self._read_at < self.cache_s:
             return self._daemons
         names = [k async for k in self.redis.scan_iter(self.keys.daemon_pattern, count=SCAN_COUNT)]
         values = await self.redis.mget(names) if names else []
         found = []
-        for name, value in zip(names, values, strict=True):
-            beat = _json_object(value)
-            if beat is None or self.queue not in (beat.get("queues") or []):
+        for value in values:
+            if value is None:  # expired since the SCAN
                 continue
-            key = name.decode() if isinstance(name, bytes) else str(name)
-            consumer = key.removeprefix(self.keys.daemon(""))
-            found.append(Daemon(consumer, str(beat.get("model")), tuple(beat["queues"])))
+            try:
+                beat = DaemonHeartbeat.model_validate_json(value)
+            except ValidationError:  # not a heartbeat: someone else's key under the prefix
+                continue
+            if self.queue in beat.queues:
+                found.append(beat)
         self._daemons, self._read_at = found, time.monotonic()
         return found
 
     async def models(self) -> list[str]:
-        return sorted({d.model for d in await self.daemons()})
+        return sorted({d.model for d in await self.daemons() if d.model is not None})
 
     async def resolve(self, requested: str) -> str | None:
         """The served model a request names: its full id, or the last part of a path or
@@ -86,11 +81,3 @@ class Fleet:
                 return int(group["lag"])
             return max(0, int(await self.redis.xlen(stream)) - int(group.get("pending", 0)))
         return int(await self.redis.xlen(stream))
-
-
-def _json_object(value: Any) -> dict[str, Any] | None:
-    try:
-        data = orjson.loads(value) if value is not None else None
-    except orjson.JSONDecodeError:
-        return None
-    return data if isinstance(data, dict) else None

@@ -3,13 +3,17 @@ and every ``batchd`` command the README shows parses as written."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
+from daemon.chaos.options import ChaosOptions, command_line_fields
 from daemon.cli import build_parser, settings_from_args
+from producers.commands.subcommand import add_command
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # The README's placeholders, given a value of the right type.
@@ -75,3 +79,35 @@ def test_log_format_and_metrics_port(tmp_path: Path) -> None:
     assert args.log_format == "text" and args.metrics_port == 9464
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--log-format", "xml"])
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_command_has_a_help_line_and_runs_its_documented_handler() -> None:
+    help_text = build_parser().format_help()
+    for name, sub in _subcommands().items():
+        handler = sub.get_default("func")
+        summary = inspect.cleandoc(handler.__doc__).split("\n\n")[0]
+        first_words = " ".join(summary.split()[:3]).lower()
+        assert first_words in " ".join(help_text.split()).lower(), name
+        assert sub.description, f"batchd {name} has no description"
+
+
+def test_a_handler_without_docstring_is_refused() -> None:
+    def undocumented(args: argparse.Namespace, settings: object) -> int:
+        return 0
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    with pytest.raises(ValueError, match="needs a docstring"):
+        add_command(sub, "x", undocumented)
+
+
+def test_chaos_options_are_its_fields() -> None:
+    args = build_parser().parse_args(["chaos", "--jobs", "7", "--result-ttl", "5"])
+    options = ChaosOptions(**{f.name: getattr(args, f.name) for f in command_line_fields()})
+    assert (options.jobs, options.result_ttl_s, options.kills) == (7, 5, ChaosOptions().kills)
+    assert "(default 2000)" in " ".join(_subcommands()["chaos"].format_help().split())

@@ -10,6 +10,7 @@ from typing import Any
 
 from daemon.fleet.housekeeping import trim_acked
 from daemon.fleet.recovery import Recovery
+from daemon.worker.member import Member
 from faults.checks import KEYS, assert_all_done_once, fake_jobs, wait_nothing_pending
 from producers.keys import CONSUMER_GROUP
 from support.daemon_harness import FakeGenerator, enqueue, fast_settings, worker_thread
@@ -46,7 +47,7 @@ def test_claim_copes_with_a_deleted_pending_entry(redis_server: RedisServer) -> 
     client.xreadgroup(CONSUMER_GROUP, "dead", {stream: ">"})
     client.xdel(stream, gone)
     time.sleep(0.06)
-    recovery = Recovery(client, KEYS, consumer="me", heartbeat_ttl_s=0.05)
+    recovery = Recovery(Member(client, KEYS, "me"), heartbeat_ttl_s=0.05)
     claimed = recovery.claim("default", limit=10)
     assert [d.entry_id for d in claimed] == [kept]
     client.xack(stream, CONSUMER_GROUP, kept)

@@ -10,6 +10,7 @@ import redis
 
 from daemon.fleet.recovery import Recovery
 from daemon.worker.jobs import Delivery
+from daemon.worker.member import Member
 from producers.keys import CONSUMER_GROUP, Keys
 from support.redis_server import RedisServer
 
@@ -27,7 +28,7 @@ def test_only_dead_idle_consumers_with_nothing_pending_are_forgotten(
     for name in ("dead-empty", "alive-empty", "me"):
         client.xgroup_createconsumer(stream, CONSUMER_GROUP, name)
     client.set(KEYS.daemon("alive-empty"), b"{}")
-    recovery = Recovery(client, KEYS, consumer="me", heartbeat_ttl_s=0.05)
+    recovery = Recovery(Member(client, KEYS, "me"), heartbeat_ttl_s=0.05)
     time.sleep(0.1)  # every consumer idle for more than the TTL
 
     assert recovery.forget_dead("default") == 1
@@ -48,7 +49,7 @@ def test_take_back_after_lost_writes_decides_by_where_the_entry_is(
     mine, theirs, queued = (client.xadd(stream, fields).decode() for _ in range(3))
     client.xreadgroup(CONSUMER_GROUP, "me", {stream: ">"}, count=1)
     client.xreadgroup(CONSUMER_GROUP, "other", {stream: ">"}, count=1)
-    recovery = Recovery(client, KEYS, consumer="me", heartbeat_ttl_s=1.0)
+    recovery = Recovery(Member(client, KEYS, "me"), heartbeat_ttl_s=1.0)
 
     def held(entry: str) -> Delivery:
         return Delivery("default", entry, fields)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from daemon.worker import mlx_generator
 from daemon.worker.generator import JobRejected, JobStart
 from engine.exceptions import InvalidRequest, RequestRejected
 from producers.schema import validate_job
@@ -68,7 +69,7 @@ def test_a_prompt_the_tokenizer_refuses_is_rejected_and_an_encode_bug_is_not(
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("a bug in the engine")
 
-    monkeypatch.setattr(generator.engine, "encode_prompt", broken)
+    monkeypatch.setattr(mlx_generator, "encode_prompt", broken)
     with pytest.raises(KeyError):
         generator.encode("j", request)
 
