@@ -47,6 +47,14 @@ static inline float exp_clamped(float x) {
   return (p * (r * r) + r + 1.0f) * bits.f;
 }
 
+/* The rows from position t0 of a sequence that lie in one block (*rows of them, consecutive
+   in the pool): block by block, a walk over a block table reads memory in order. */
+static inline const float *block_at(const float *pool, const int32_t *table, int t0, int length,
+                                    int bs, int dim, int *rows) {
+  *rows = length - t0 < bs ? length - t0 : bs;
+  return pool + (int64_t)table[t0 / bs] * bs * dim;
+}
+
 static void attend(const Work *w, int task, float *scores) {
   const int b = task / w->kv_heads, h = task % w->kv_heads;
   const int group = w->heads / w->kv_heads, dim = w->dim, bs = w->block_size;
@@ -58,10 +66,9 @@ static void attend(const Work *w, int task, float *scores) {
   const float *q = w->q + head0;
   float *out = w->out + head0;
 
-  /* Block by block: a block's rows are consecutive in the pool. */
+  int rows;
   for (int t0 = 0; t0 < length; t0 += bs) {
-    const float *block = keys + (int64_t)table[t0 / bs] * bs * dim;
-    const int rows = length - t0 < bs ? length - t0 : bs;
+    const float *block = block_at(keys, table, t0, length, bs, dim, &rows);
     for (int j = 0; j < rows; j++) {
       const float *key = block + (int64_t)j * dim;
       for (int g = 0; g < group; g++) {
@@ -88,8 +95,7 @@ static void attend(const Work *w, int task, float *scores) {
     for (int d = 0; d < dim; d++) out[(int64_t)g * dim + d] = 0.0f;
   }
   for (int t0 = 0; t0 < length; t0 += bs) {
-    const float *block = values + (int64_t)table[t0 / bs] * bs * dim;
-    const int rows = length - t0 < bs ? length - t0 : bs;
+    const float *block = block_at(values, table, t0, length, bs, dim, &rows);
     for (int j = 0; j < rows; j++) {
       const float *value = block + (int64_t)j * dim;
       for (int g = 0; g < group; g++) {
