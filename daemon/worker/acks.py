@@ -14,8 +14,9 @@ import logging
 import redis
 
 from daemon.worker.jobs import Delivery, Job
+from daemon.worker.member import Member
 from daemon.worker.redis_io import REDIS_DOWN
-from producers.keys import CONSUMER_GROUP, Keys
+from producers.keys import CONSUMER_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,8 @@ log = logging.getLogger(__name__)
 class Acks:
     """Entries to XACK (retried until done), and the hand-back of unfinished ones."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, consumer: str) -> None:
-        self.redis = client
-        self.keys = keys
-        self.consumer = consumer
+    def __init__(self, member: Member) -> None:
+        self.member = member
         self.unacked: list[Delivery] = []
 
     def ack(self, deliveries: list[Delivery]) -> None:
@@ -40,9 +39,9 @@ class Acks:
         if not self.unacked:
             return
         todo, self.unacked = self.unacked, []
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.member.redis.pipeline(transaction=False)
         for delivery in todo:
-            pipe.xack(self.keys.queue(delivery.queue), CONSUMER_GROUP, delivery.entry_id)
+            pipe.xack(self.member.keys.queue(delivery.queue), CONSUMER_GROUP, delivery.entry_id)
         try:
             replies = pipe.execute(raise_on_error=False)
         except REDIS_DOWN:
@@ -59,12 +58,12 @@ class Acks:
         poison."""
         if not jobs:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.member.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.xclaim(
-                self.keys.queue(job.delivery.queue),
+                self.member.keys.queue(job.delivery.queue),
                 CONSUMER_GROUP,
-                self.consumer,
+                self.member.consumer,
                 0,
                 [job.delivery.entry_id],
                 idle=idle_ms,

@@ -104,7 +104,7 @@ class Worker:
         self.stopping = False
         self.deadline = float("inf")
         self.next_claim = 0.0
-        self.acks = Acks(self.redis, self.keys, consumer=consumer)
+        self.acks = Acks(member)
         # The last claim failure logged: a failure that repeats every interval is logged once.
         self.claim_error: str | None = None
 
