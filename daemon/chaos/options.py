@@ -42,5 +42,10 @@ def command_line_fields() -> list[Field[Any]]:
     return [f for f in fields(ChaosOptions) if "help" in f.metadata]
 
 
+def from_command_line(args: Any) -> ChaosOptions:
+    """The options parsed by ``batchd chaos`` (an argparse namespace), defaults for the rest."""
+    return ChaosOptions(**{f.name: getattr(args, f.name) for f in command_line_fields()})
+
+
 def option_name(f: Field[Any]) -> str:
     return str(f.metadata.get("name", "--" + f.name.replace("_", "-")))

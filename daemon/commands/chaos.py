@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from config import Settings
-from daemon.chaos.options import ChaosOptions, command_line_fields, option_name
+from daemon.chaos.options import command_line_fields, from_command_line, option_name
 from engine.models.registry import PRESET_NAMES
 from producers.commands.subcommand import add_command
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if min(args.jobs, args.daemons) < 1 or min(args.kills, args.hostile) < 0:
         print("batchd chaos: --jobs, --daemons >= 1 and fault counts >= 0", file=sys.stderr)
         return 2
-    options = ChaosOptions(**{f.name: getattr(args, f.name) for f in command_line_fields()})
+    options = from_command_line(args)
     engine = dataclasses.replace(
         settings.engine, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=512
     )

@@ -1,18 +1,21 @@
-"""The CPU decode-attention kernel (paged_decode.c), compiled on first use and loaded by ctypes.
+"""The CPU attention and SwiGLU kernels (paged_decode.c), compiled on first use and loaded
+by ctypes.
 
 Why a C kernel and not an MLX extension: an extension is built with nanobind and
 must match the ABI MLX's wheel was built with; a plain C function over NumPy
-views of MLX's buffers needs only a C compiler. The kernel runs between two
+views of MLX's buffers needs only a C compiler. Attention runs between two
 evaluations of the layer's graph (the new K/V are in the pool, the queries are
-computed), so a decode step evaluates once per layer instead of once per step;
-on SmolLM2-135M that costs ~0.1 ms a layer against the ~1.6 ms a layer the
-gathers cost (32 sequences of ~300 tokens, 2 cores).
+computed) and SwiGLU after the gate and up projections, so a step evaluates
+twice a layer instead of once a step; on SmolLM2-135M that costs ~0.1 ms each
+against the ~1.6 ms a layer the MLX path's block gathers cost (32 sequences of
+~300 tokens, 2 cores). Prefill rows go through the same attention kernel as
+decode rows of a shorter sequence.
 
 The library is built with the machine's ``cc`` into a cache folder
 (``$XDG_CACHE_HOME/batchd/kernels``, else ``~/.cache/batchd/kernels``), named
 by a hash of the source, the compiler flags and the CPU's feature flags, so a
 copied cache never runs code built for another CPU. Where there is no compiler
-or the build fails, :func:`kernel` returns None and the runner keeps MLX's
+or the build fails, :func:`available` is False and the runner keeps MLX's
 gather path; ``BATCHD_NATIVE_ATTENTION=0`` asks for that path too.
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.chaos.options import ChaosOptions, command_line_fields
+from daemon.chaos.options import ChaosOptions, from_command_line
 from daemon.cli import build_parser, settings_from_args
 from producers.commands.subcommand import add_command
 
@@ -108,6 +108,6 @@ def test_a_handler_without_docstring_is_refused() -> None:
 
 def test_chaos_options_are_its_fields() -> None:
     args = build_parser().parse_args(["chaos", "--jobs", "7", "--result-ttl", "5"])
-    options = ChaosOptions(**{f.name: getattr(args, f.name) for f in command_line_fields()})
+    options = from_command_line(args)
     assert (options.jobs, options.result_ttl_s, options.kills) == (7, 5, ChaosOptions().kills)
     assert "(default 2000)" in " ".join(_subcommands()["chaos"].format_help().split())
