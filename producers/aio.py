@@ -9,33 +9,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from config import DEFAULT_REDIS_URL
-from producers.base import ClientBase, HandleBase
-from producers.follow import (
-    RECONNECT_ERRORS,
-    Delivery,
-    FetchStatus,
-    Follower,
-    Pause,
-    PlanDriver,
-    Read,
-    Step,
-    interrupted_read,
-    read_reply,
-)
+from producers.base import ClientBase, HandleBase, JobLike
+from producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
 from producers.keys import check_name
-from producers.result import JobResult, ResultBuilder
-from producers.schema import Event, JobRequest, JobStatus
+from producers.result import JobResult, acollect
+from producers.schema import Event, JobStatus
 from producers.transact import CANCEL, SUBMIT, CancelPlan
 
 
-class AsyncClient(ClientBase):
+class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
     """Asyncio twin of :class:`~producers.client.Client`; see it for the semantics."""
 
     def __init__(self, redis_url: str | aioredis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
@@ -53,29 +41,9 @@ class AsyncClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[Any] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        id: str | None = None,
-        queue: str | None = None,
-        idempotent: bool = False,
-        **options: Any,
-    ) -> AsyncJobHandle:
-        """See :meth:`producers.client.Client.submit`."""
-        job = self.build_request(prompt, messages, prompt_token_ids, id, options)
-        return await self.submit_request(job, queue=queue, idempotent=idempotent)
-
     async def submit_request(
-        self,
-        job: JobRequest | Mapping[str, Any],
-        *,
-        queue: str | None = None,
-        idempotent: bool = False,
+        self, job: JobLike, *, queue: str | None = None, idempotent: bool = False
     ) -> AsyncJobHandle:
-        """See :meth:`producers.client.Client.submit_request`."""
         plan = self.plan_submit(job, queue)
         reply = await self._submit(keys=plan.keys, args=plan.args)
         return AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent))
@@ -102,11 +70,7 @@ class AsyncClient(ClientBase):
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """See :meth:`producers.client.Client.result`."""
-        builder = ResultBuilder(job_id)
-        async for event in self.stream(job_id, timeout=timeout):
-            if (result := builder.add(event)) is not None:
-                return result
-        raise AssertionError("a stream always ends with a final event")
+        return await acollect(job_id, self.stream(job_id, timeout=timeout))
 
 
 class AsyncJobHandle(HandleBase["AsyncClient"]):
@@ -135,20 +99,6 @@ async def follow(connection: aioredis.Redis, follower: Follower) -> AsyncIterato
             await asyncio.sleep(step.seconds)
         else:
             try:
-                driver.answered(await _execute(connection, step))
-            except RECONNECT_ERRORS as exc:
+                driver.answered(await issue(connection, step))
+            except COMMAND_ERRORS as exc:
                 driver.failed(exc)
-
-
-async def _execute(connection: aioredis.Redis, step: Step) -> Any:
-    if isinstance(step, Read):
-        try:
-            raw = await connection.xread(step.streams, count=step.count, block=step.block_ms)
-        except ResponseError as exc:
-            raise interrupted_read(exc) from exc
-        return read_reply(raw)
-    assert isinstance(step, FetchStatus)
-    async with connection.pipeline(transaction=False) as pipe:
-        for key in step.keys:
-            pipe.hgetall(key)
-        return await pipe.execute()

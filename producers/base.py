@@ -6,6 +6,7 @@ Everything here is free of I/O, so :mod:`producers.client` and
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -25,12 +26,16 @@ from producers.schema import (
 from producers.transact import CancelPlan, SubmitPlan
 
 ConnectionT = TypeVar("ConnectionT")
+# What submitting gives: a job handle, or (asyncio) an awaitable of one.
+SubmittedT = TypeVar("SubmittedT")
+# A job to submit: a JobRequest, or its fields as a mapping.
+JobLike = JobRequest | Mapping[str, Any]
 
 # Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).
 SOCKET_TIMEOUT_MARGIN_S = 10.0
 
 
-class ClientBase:
+class ClientBase(ABC, Generic[SubmittedT]):
     """Options and I/O-free logic of :class:`~producers.client.Client` and
     :class:`~producers.aio.AsyncClient`.
 
@@ -83,21 +88,36 @@ class ClientBase:
                 f"socket_timeout {timeout}s must exceed the XREAD block of {self.block_ms} ms"
             )
 
-    def build_request(
+    def submit(
         self,
-        prompt: str | None,
-        messages: list[Any] | None,
-        prompt_token_ids: list[int] | None,
-        job_id: str | None,
-        options: Mapping[str, Any],
-    ) -> JobRequest:
-        """Validate a submit() call as a JobRequest (a UUID id if none given)."""
+        prompt: str | None = None,
+        *,
+        messages: list[Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        id: str | None = None,
+        queue: str | None = None,
+        idempotent: bool = False,
+        **options: Any,
+    ) -> SubmittedT:
+        """Validate and enqueue a job; ``options`` are JobRequest fields (max_tokens,
+        temperature, seed, n, priority, ttl_s, metadata, ...). The async client's
+        returns an awaitable.
+
+        Raises ValidationError naming the bad field; a job id already submitted
+        raises ValidationError on ``id`` unless ``idempotent`` (then the handle
+        attaches to the existing job and nothing is enqueued).
+        """
         data = {k: v for k, v in options.items() if v is not None}
         data.update(prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids)
-        data["id"] = job_id if job_id is not None else new_job_id()
-        return validate_job(data, self.limits)
+        data["id"] = id if id is not None else new_job_id()
+        job = validate_job(data, self.limits)
+        return self.submit_request(job, queue=queue, idempotent=idempotent)
 
-    def coerce_request(self, job: JobRequest | Mapping[str, Any]) -> JobRequest:
+    @abstractmethod
+    def submit_request(self, job: JobLike, *, queue: str | None, idempotent: bool) -> SubmittedT:
+        """Enqueue a ready JobRequest (or its dict); same rules as :meth:`submit`."""
+
+    def coerce_request(self, job: JobLike) -> JobRequest:
         """A JobRequest (dict or model) validated against the limits, with an id."""
         data = dict(job) if isinstance(job, Mapping) else job.model_dump(exclude_none=True)
         data.setdefault("id", None)
@@ -105,7 +125,7 @@ class ClientBase:
             data["id"] = new_job_id()
         return validate_job(data, self.limits)
 
-    def plan_submit(self, job: JobRequest | Mapping[str, Any], queue: str | None) -> SubmitPlan:
+    def plan_submit(self, job: JobLike, queue: str | None) -> SubmitPlan:
         """The submit script call of a submit_request() call."""
         request = self.coerce_request(job)
         assert request.id is not None

@@ -10,32 +10,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import redis
 
 from config import DEFAULT_REDIS_URL
-from producers.base import ClientBase, HandleBase
-from producers.follow import (
-    RECONNECT_ERRORS,
-    Delivery,
-    FetchStatus,
-    Follower,
-    Pause,
-    PlanDriver,
-    Read,
-    Step,
-    interrupted_read,
-    read_reply,
-)
+from producers.base import ClientBase, HandleBase, JobLike
+from producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
 from producers.keys import check_name
-from producers.result import JobResult, ResultBuilder
-from producers.schema import Event, JobRequest, JobStatus
+from producers.result import JobResult, collect
+from producers.schema import Event, JobStatus
 from producers.transact import CANCEL, SUBMIT, CancelPlan
 
 
-class Client(ClientBase):
+class Client(ClientBase["JobHandle"]):
     """Producer side of batchd over one Redis connection pool (thread-safe).
 
     ``redis_url`` is a URL or an existing ``redis.Redis`` (its socket timeout
@@ -58,35 +47,9 @@ class Client(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[Any] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        id: str | None = None,
-        queue: str | None = None,
-        idempotent: bool = False,
-        **options: Any,
-    ) -> JobHandle:
-        """Validate and enqueue a job; ``options`` are JobRequest fields (max_tokens,
-        temperature, seed, n, priority, ttl_s, metadata, ...).
-
-        Raises ValidationError naming the bad field; a job id already submitted
-        raises ValidationError on ``id`` unless ``idempotent`` (then the handle
-        attaches to the existing job and nothing is enqueued).
-        """
-        job = self.build_request(prompt, messages, prompt_token_ids, id, options)
-        return self.submit_request(job, queue=queue, idempotent=idempotent)
-
     def submit_request(
-        self,
-        job: JobRequest | Mapping[str, Any],
-        *,
-        queue: str | None = None,
-        idempotent: bool = False,
+        self, job: JobLike, *, queue: str | None = None, idempotent: bool = False
     ) -> JobHandle:
-        """Enqueue a ready JobRequest (or its dict); same rules as :meth:`submit`."""
         plan = self.plan_submit(job, queue)
         reply = self._submit(keys=plan.keys, args=plan.args)
         return JobHandle(self, *self.check_submitted(plan, reply, idempotent))
@@ -123,11 +86,7 @@ class Client(ClientBase):
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job to end; raises JobFailed (error, cancelled, expired)
         or JobTimeout."""
-        builder = ResultBuilder(job_id)
-        for event in self.stream(job_id, timeout=timeout):
-            if (result := builder.add(event)) is not None:
-                return result
-        raise AssertionError("a stream always ends with a final event")
+        return collect(job_id, self.stream(job_id, timeout=timeout))
 
 
 class JobHandle(HandleBase["Client"]):
@@ -158,20 +117,6 @@ def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
             time.sleep(step.seconds)
         else:
             try:
-                driver.answered(execute_step(connection, step))
-            except RECONNECT_ERRORS as exc:
+                driver.answered(issue(connection, step))
+            except COMMAND_ERRORS as exc:
                 driver.failed(exc)
-
-
-def execute_step(connection: redis.Redis, step: Step) -> Any:
-    if isinstance(step, Read):
-        try:
-            raw = connection.xread(step.streams, count=step.count, block=step.block_ms)
-        except redis.ResponseError as exc:
-            raise interrupted_read(exc) from exc
-        return read_reply(raw)
-    assert isinstance(step, FetchStatus)
-    with connection.pipeline(transaction=False) as pipe:
-        for key in step.keys:
-            pipe.hgetall(key)
-        return pipe.execute()

@@ -41,6 +41,8 @@ from producers.schema import Event, FinishReason, JobState, JobStatus
 READ_COUNT = 512
 # What a dropped or restarting Redis raises, sync and async alike.
 RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# What a command of a plan can raise that the plan's driver decides about.
+COMMAND_ERRORS = (*RECONNECT_ERRORS, redis.ResponseError)
 
 
 class ReadInterrupted(redis.ConnectionError):
@@ -295,6 +297,7 @@ class PlanDriver:
 
     def __init__(self, plan: Generator[Step, Any, None]) -> None:
         self._plan = plan
+        self._step: Step | None = None
         self._reply: Any = None
         self._error: BaseException | None = None
 
@@ -303,16 +306,33 @@ class PlanDriver:
         reply, error = self._reply, self._error
         self._reply, self._error = None, None
         try:
-            return self._plan.throw(error) if error is not None else self._plan.send(reply)
+            self._step = self._plan.throw(error) if error is not None else self._plan.send(reply)
         except StopIteration:
-            return None
+            self._step = None
+        return self._step
 
     def answered(self, reply: Any) -> None:
-        self._reply = reply
+        self._reply = read_reply(reply) if isinstance(self._step, Read) else reply
 
     def failed(self, error: BaseException) -> None:
-        """A reconnect error: the plan pauses and catches up from the last seq."""
+        """One of COMMAND_ERRORS: a reconnect error (an UNBLOCKED read among them) makes
+        the plan pause and catch up from the last seq; any other is raised."""
+        if isinstance(error, redis.ResponseError) and isinstance(self._step, Read):
+            error = interrupted_read(error)
+        if not isinstance(error, RECONNECT_ERRORS):
+            raise error
         self._error = error
+
+
+def issue(connection: Any, step: Read | FetchStatus) -> Any:
+    """Send ``step``'s command on a redis-py connection, blocking or asyncio: the reply,
+    or an awaitable of it (both clients have the same method names)."""
+    if isinstance(step, Read):
+        return connection.xread(step.streams, count=step.count, block=step.block_ms)
+    pipe = connection.pipeline(transaction=False)
+    for key in step.keys:
+        pipe.hgetall(key)
+    return pipe.execute()
 
 
 def _status_or_none(data: dict[Any, Any]) -> JobStatus | None:

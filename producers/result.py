@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.errors import JobFailed
+from producers.errors import JobFailed, ProtocolError
 from producers.schema import Choice, Event, FinishReason, Timings, Usage
 
 FAILED_REASONS = (FinishReason.error, FinishReason.cancelled, FinishReason.expired)
@@ -114,3 +115,21 @@ class ResultBuilder:
             choices=choices,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def collect(job_id: str, events: Iterable[Event]) -> JobResult:
+    """The result of a job's whole event stream (raises JobFailed as ``add`` does)."""
+    builder = ResultBuilder(job_id)
+    for event in events:
+        if (result := builder.add(event)) is not None:
+            return result
+    raise ProtocolError(job_id, "the events stream ended without a final event")
+
+
+async def acollect(job_id: str, events: AsyncIterable[Event]) -> JobResult:
+    """:func:`collect` of an asyncio stream."""
+    builder = ResultBuilder(job_id)
+    async for event in events:
+        if (result := builder.add(event)) is not None:
+            return result
+    raise ProtocolError(job_id, "the events stream ended without a final event")

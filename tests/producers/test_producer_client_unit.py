@@ -14,8 +14,9 @@ from config import LimitSettings
 from producers.aio import AsyncClient
 from producers.client import Client
 from producers.errors import JobFailed, JobNotFound, ProtocolError, ValidationError
-from producers.follow import Delivery, FetchStatus, Follower, Pause, Read
+from producers.follow import Delivery, FetchStatus, Follower, Pause, PlanDriver, Read
 from producers.keys import CANCEL_FIELD, EVENT_FIELD, JOB_FIELD, Keys, event_id
+from producers.result import collect
 from producers.schema import Event, FinishReason, JobState, JobStatus, parse_job
 
 KEYS = Keys()
@@ -235,3 +236,27 @@ def test_plan_gives_up_after_reconnect_timeout() -> None:
     time.sleep(0.01)
     with pytest.raises(redis.ConnectionError, match="down"):
         plan.throw(redis.ConnectionError("down"))
+
+
+def test_driver_retries_an_unblocked_read_and_raises_other_refusals() -> None:
+    """UNBLOCKED (a failover ended the blocking read) resumes like a dropped connection;
+    any other error reply reaches the caller, on a read or a status fetch alike."""
+    follower = Follower(KEYS, reconnect_timeout_s=60)
+    follower.add("j")
+    driver = PlanDriver(follower.plan())
+    assert isinstance(driver.next_step(), Read)
+    driver.failed(redis.ResponseError("UNBLOCKED force unblock from blocking operation"))
+    assert isinstance(driver.next_step(), Pause)
+    assert isinstance(driver.next_step(), Read)
+    with pytest.raises(redis.ResponseError, match="NOPERM"):
+        driver.failed(redis.ResponseError("NOPERM no permissions to run 'xread'"))
+    driver.answered([])  # an empty XREAD reply is parsed as no entries
+    assert driver.next_step() == FetchStatus([KEYS.job("j")])
+    with pytest.raises(redis.ResponseError, match="UNBLOCKED"):
+        driver.failed(redis.ResponseError("UNBLOCKED not a read"))
+
+
+def test_events_without_a_final_event_are_a_protocol_error() -> None:
+    events = [Event(seq=0, token_id=1, text="a")]
+    with pytest.raises(ProtocolError, match="without a final event"):
+        collect("j", events)
