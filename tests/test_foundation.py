@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from config import SettingsError, load_settings
+from engine.blas import SKYLAKEX_FLAGS, cpu_flags, kernel_choice
 from support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,3 +152,45 @@ def test_openblas_preload_takes_effect() -> None:
     none, slow = run(disable=True)
     assert none == "None"
     assert fast > 5 * slow, (fast, slow)
+
+
+def test_kernel_choice_asks_for_avx512_kernels_only_where_the_cpu_has_them() -> None:
+    assert kernel_choice(SKYLAKEX_FLAGS | {"fma", "avx2"}) == "SkylakeX"
+    assert kernel_choice(frozenset({"fma", "avx2", "avx512f"})) is None
+    assert kernel_choice(frozenset()) is None
+
+
+_CORE = """
+import os, engine
+from engine.blas import loaded_core
+print(loaded_core(), os.environ.get("OPENBLAS_CORETYPE"))
+"""
+
+
+@pytest.mark.skipif(
+    not SKYLAKEX_FLAGS <= cpu_flags(), reason="the CPU lacks the AVX-512 subsets SkylakeX needs"
+)
+def test_openblas_runs_avx512_kernels_where_the_cpu_has_them() -> None:
+    """A CPU newer than the OpenBLAS build made it fall back to SSE3 kernels (5x slower)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    out = subprocess.run(
+        [sys.executable, "-c", _CORE],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert out == ["SkylakeX", "SkylakeX"]
+    chosen = {**env, "OPENBLAS_CORETYPE": "Haswell"}
+    out = subprocess.run(
+        [sys.executable, "-c", _CORE],
+        env=chosen,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert out == ["Haswell", "Haswell"]  # the user's choice stands

@@ -41,7 +41,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"max_prefill_tokens_with_decodes {_bound(s['max_prefill_tokens_with_decodes'])}, "
         f"scale {s['scale']}.",
         f"Machine: {m['platform']}, {m['cpu_count']} CPUs, mlx {m['mlx']} ({m['device']}), "
-        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}; matmul {limit['matmul_gflops']} GFLOP/s.",
+        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
+        f"matmul {limit['matmul_gflops']} GFLOP/s.",
         "",
         "| workload | system | requests | output tokens | tok/s | batchd vs it "
         "| TTFT p50 s | TTFT p99 s | MFU |",
@@ -198,3 +199,8 @@ def _ttft_panel(ax: Any, report: dict[str, Any]) -> None:
     ax.set_title(f"TTFT distribution ({source})")
     if systems:
         ax.legend(fontsize="small")
+
+
+def _kernels(machine: dict[str, Any]) -> str:
+    kernels = machine.get("blas_kernels")
+    return f" ({kernels} kernels)" if kernels else ""

@@ -29,7 +29,7 @@ from daemon.bench.systems import (
     SystemUnavailable,
 )
 from daemon.bench.workloads import Scale, Workload, mixed, shared_prefix
-from engine.blas import loaded_openblas
+from engine.blas import loaded_core, loaded_openblas
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
 
@@ -77,6 +77,7 @@ def machine_info() -> dict[str, Any]:
         "mlx_lm": metadata.version("mlx-lm"),
         "device": str(mx.default_device()),
         "blas": loaded_openblas() or ("Accelerate" if sys.platform == "darwin" else "bundled"),
+        "blas_kernels": loaded_core(),
     }
 
 
