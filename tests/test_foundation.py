@@ -132,19 +132,25 @@ print(loaded_openblas(), 8 * 2 * 512**3 / (time.perf_counter() - t) / 1e9)
 """
 
 
+def _python_prints(code: str, env: dict[str, str]) -> list[str]:
+    """What ``code`` prints, split into words, run by this Python in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux-only")
 def test_openblas_preload_takes_effect() -> None:
     def run(disable: bool) -> tuple[str, float]:
-        env = {**os.environ, "BATCHD_NO_OPENBLAS": "1" if disable else "0"}
-        out = subprocess.run(
-            [sys.executable, "-c", _MATMUL_RATE],
-            env=env,
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-            check=True,
-        ).stdout.split()
+        out = _python_prints(
+            _MATMUL_RATE, {**os.environ, "BATCHD_NO_OPENBLAS": "1" if disable else "0"}
+        )
         return out[0], float(out[1])
 
     lib, fast = run(disable=False)
@@ -173,24 +179,6 @@ print(loaded_core(), os.environ.get("OPENBLAS_CORETYPE"))
 def test_openblas_runs_avx512_kernels_where_the_cpu_has_them() -> None:
     """A CPU newer than the OpenBLAS build made it fall back to SSE3 kernels (5x slower)."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    out = subprocess.run(
-        [sys.executable, "-c", _CORE],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    ).stdout.split()
-    assert out == ["SkylakeX", "SkylakeX"]
+    assert _python_prints(_CORE, env) == ["SkylakeX", "SkylakeX"]
     chosen = {**env, "OPENBLAS_CORETYPE": "Haswell"}
-    out = subprocess.run(
-        [sys.executable, "-c", _CORE],
-        env=chosen,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    ).stdout.split()
-    assert out == ["Haswell", "Haswell"]  # the user's choice stands
+    assert _python_prints(_CORE, chosen) == ["Haswell", "Haswell"]  # the user's choice stands
