@@ -78,10 +78,12 @@ needs_kernel = pytest.mark.skipif(
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 5])
+# 32, 64, 128: the vector path's specialised head sizes; 48 its general one; 40 the plain loops.
+@pytest.mark.parametrize("dim", [32, 64, 128, 48, 40])
 def test_kernel_matches_the_gather_path(
-    lengths: list[int], heads: int, kv_heads: int, threads: int
+    lengths: list[int], heads: int, kv_heads: int, threads: int, dim: int
 ) -> None:
-    q, k, v, tables = _case(lengths, heads=heads, kv_heads=kv_heads)
+    q, k, v, tables = _case(lengths, heads=heads, kv_heads=kv_heads, dim=dim)
     group = make_decode_group(0, tables, lengths, block_size=BLOCK, num_kv_heads=kv_heads)
     blocked = (kv_heads, k.shape[1] // BLOCK, BLOCK, k.shape[2])
     expected = np.array(
