@@ -37,7 +37,12 @@ def run_online(
     runs: dict[str, RunStats] = {}
     for key in (BATCHD, BATCHGEN):
         try:
-            runs[key] = systems.timed(key, workload, arrivals)
+            runs[key] = systems.timed(
+                key,
+                workload,
+                arrivals,
+                prefill_bound=systems.settings.online_max_prefill_tokens_with_decodes,
+            )
         except SystemUnavailable as exc:
             result["unavailable"][key] = str(exc)
             continue

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from daemon.bench.sweep import sweep_lines
 from daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
 
 JSON_NAME, MARKDOWN_NAME, CHART_NAME = "report.json", "report.md", "report.png"
@@ -49,7 +50,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, result in report["workloads"].items():
-        if name in ("online", "queue"):
+        if name not in ("mixed", "shared-prefix"):
             continue
         ratios = result.get("ratios", {})
         for key, fig in result["systems"].items():
@@ -89,6 +90,9 @@ def markdown(report: dict[str, Any]) -> str:
         steps = online["systems"].get(BATCHD, {}).get("engine_steps")
         if steps:
             lines += ["", _steps_line(steps)]
+    sweep = report["workloads"].get("online-sweep")
+    if sweep is not None:
+        lines += sweep_lines(sweep)
     q = report["workloads"].get("queue")
     if q is not None:
         lines += ["", _queue_line(q)]

@@ -17,6 +17,7 @@ from daemon.bench import queue
 from daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
 from daemon.bench.online import run_online, saturation_rate
 from daemon.bench.progress import Progress
+from daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS, run_online_sweep
 from daemon.bench.systems import (
     BATCHD,
     BATCHGEN,
@@ -32,6 +33,15 @@ from daemon.bench.workloads import Scale, Workload, mixed, shared_prefix
 from engine.blas import loaded_core, loaded_openblas
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
+# The systems of each throughput workload. Static batching runs on mixed only: its
+# padded waves and barrier show there; on shared-prefix (every prompt ~the same length)
+# it only repeats BatchGenerator's figure, at ~3 minutes of a SmolLM2 run.
+OFFLINE_SYSTEMS = {
+    "mixed": OFFLINE_ORDER,
+    "shared-prefix": tuple(key for key in OFFLINE_ORDER if key != STATIC),
+}
+# Run only when asked for by name (not part of a full run): see daemon.bench.sweep.
+EXTRA_WORKLOADS = ("online-sweep",)
 
 # batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (a step
 # carrying 512 prefill tokens takes ~9x a decode step on bench-small, and every running decode
@@ -57,12 +67,15 @@ class BenchOptions:
     online_load: float = 0.9
     max_prefill_tokens_with_decodes: int | None = None
     online_max_prefill_tokens_with_decodes: int | None = ONLINE_MAX_PREFILL_TOKENS
+    sweep_bounds: tuple[int | None, ...] = DEFAULT_BOUNDS
+    sweep_rounds: int = DEFAULT_ROUNDS
     command: str = ""
 
     def __post_init__(self) -> None:
-        unknown = set(self.workloads) - set(WORKLOADS)
+        known = WORKLOADS + EXTRA_WORKLOADS
+        unknown = set(self.workloads) - set(known)
         if unknown:
-            raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+            raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {known}")
 
 
 def machine_info() -> dict[str, Any]:
@@ -115,6 +128,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "seed": options.seed,
             "workloads": list(options.workloads),
             "online_load": options.online_load,
+            "sweep_bounds": list(options.sweep_bounds),
+            "sweep_rounds": options.sweep_rounds,
             "command": options.command,
         },
         "machine": machine_info(),
@@ -136,10 +151,20 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     for name in ("mixed", "shared-prefix"):
         if name in options.workloads:
             results[name] = offline_workload(
-                systems, workloads[name], flops=flops, scale=options.scale
+                systems, workloads[name], OFFLINE_SYSTEMS[name], flops=flops, scale=options.scale
             )
     if "online" in options.workloads:
         results["online"] = online_workload(systems, short_mixed, options, results)
+    if "online-sweep" in options.workloads:
+        rate, _, _ = online_rate(systems, short_mixed, options, results)
+        results["online-sweep"] = run_online_sweep(
+            systems,
+            short_mixed,
+            rate=rate,
+            seed=options.seed,
+            bounds=options.sweep_bounds,
+            rounds=options.sweep_rounds,
+        )
     if "queue" in options.workloads:
         results["queue"] = queue.run_queue(
             systems, short_mixed, redis_url=options.redis_url, progress=progress
@@ -149,7 +174,12 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
 
 
 def offline_workload(
-    systems: Systems, workload: Workload, *, flops: ModelFlops, scale: Scale
+    systems: Systems,
+    workload: Workload,
+    keys: tuple[str, ...],
+    *,
+    flops: ModelFlops,
+    scale: Scale,
 ) -> dict[str, Any]:
     """Every system on ``workload`` (sequential on a subset); throughput ratios and MFU.
 
@@ -166,7 +196,7 @@ def offline_workload(
         "systems": {},
         "unavailable": {},
     }
-    for key in OFFLINE_ORDER:
+    for key in keys:
         part = workload.subset(_requests_for(key, workload, scale))
         try:
             stats = systems.offline(key, part)
@@ -195,21 +225,29 @@ def _requests_for(key: str, workload: Workload, scale: Scale) -> int:
     return len(workload.requests)
 
 
+def online_rate(
+    systems: Systems, workload: Workload, options: BenchOptions, results: dict[str, Any]
+) -> tuple[float, dict[str, Any], bool]:
+    """Requests/s at ``online_load`` times BatchGenerator's mixed throughput, the figures
+    it came from, and whether they were measured now (on ``workload``: this run has no
+    mixed figure)."""
+    peer = results.get("mixed", {}).get("systems", {}).get(BATCHGEN)
+    probed = peer is None
+    if peer is None:
+        peer = systems.offline(BATCHGEN, workload).summary()
+    rate = saturation_rate(peer_tok_s=peer["tok_s"], workload=workload, load=options.online_load)
+    return rate, peer, probed
+
+
 def online_workload(
     systems: Systems, workload: Workload, options: BenchOptions, results: dict[str, Any]
 ) -> dict[str, Any]:
     """Poisson arrivals at ``online_load`` times BatchGenerator's mixed throughput."""
-    peer = results.get("mixed", {}).get("systems", {}).get(BATCHGEN)
-    probe: dict[str, Any] | None = None
-    if peer is None:
-        # The rate needs BatchGenerator's saturation throughput: measure it now.
-        probe = systems.offline(BATCHGEN, workload).summary()
-        peer = probe
-    rate = saturation_rate(peer_tok_s=peer["tok_s"], workload=workload, load=options.online_load)
+    rate, peer, probed = online_rate(systems, workload, options, results)
     result = run_online(systems, workload, rate=rate, load=options.online_load, seed=options.seed)
     result["rate_from_tok_s"] = peer["tok_s"]
-    if probe is not None:
-        result["saturation_probe"] = probe
+    if probed:
+        result["saturation_probe"] = peer
     return result
 
 

@@ -137,14 +137,19 @@ class Systems:
         mx.clear_cache()
         return stats
 
-    def timed(self, key: str, workload: Workload, arrivals: list[float]) -> RunStats:
-        """Warm ``key`` up, then run ``workload`` with requests arriving at ``arrivals``."""
+    def timed(
+        self,
+        key: str,
+        workload: Workload,
+        arrivals: list[float],
+        *,
+        prefill_bound: int | None,
+    ) -> RunStats:
+        """Warm ``key`` up, then run ``workload`` with requests arriving at ``arrivals``;
+        batchd with ``max_prefill_tokens_with_decodes = prefill_bound``."""
         warm = self.warmup_for(workload)
-        system = self._step_system(
-            key,
-            longest_request(workload, warm),
-            prefill_bound=self.settings.online_max_prefill_tokens_with_decodes,
-        )
+        longest = longest_request(workload, warm)
+        system = self._step_system(key, longest, prefill_bound=prefill_bound)
         label = f"{workload.name} / {LABELS[key]}"
         run_offline(system, warm, self._recorder(label, len(warm.requests), warmup=True))
         # batchd's engine reports its steps (the warm-up's are left out); BatchGenerator does not.

@@ -23,8 +23,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--workload",
         default="all",
-        choices=["mixed", "shared-prefix", "online", "queue", "all"],
-        help="which workload to run (default: all)",
+        choices=["mixed", "shared-prefix", "online", "queue", "all", "online-sweep"],
+        help="which workload to run (default: all: the first four; online-sweep runs the "
+        "online arrivals at several prefill bounds, see --sweep-bounds)",
     )
     model = p.add_mutually_exclusive_group()
     model.add_argument(
@@ -58,6 +59,22 @@ def register(sub: Any) -> None:
         "setting (default: 64; none: no bound); the throughput workloads take the engine "
         "settings' value",
     )
+    p.add_argument(
+        "--sweep-bounds",
+        type=_bounds,
+        default=None,
+        metavar="N,N,...",
+        help="online-sweep: batchd's prefill bounds to run, none for no bound "
+        "(default: 16,32,64,none)",
+    )
+    p.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="online-sweep: rounds of every setting, in reverse order every other round "
+        "(default: 2)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
     p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
@@ -73,6 +90,10 @@ def _prefill_bound(text: str) -> int | None:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or none, got {text!r}")
     return value
+
+
+def _bounds(text: str) -> tuple[int | None, ...]:
+    return tuple(_prefill_bound(part.strip()) for part in text.split(","))
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
@@ -105,6 +126,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             BenchOptions,
             run_bench,
         )
+        from daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS
         from daemon.bench.workloads import SCALES
     except ImportError as exc:
         print(
@@ -133,12 +155,15 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         seed=args.seed,
         max_prefill_tokens_with_decodes=settings.engine.max_prefill_tokens_with_decodes,
         online_max_prefill_tokens_with_decodes=online_bound,
+        sweep_bounds=args.sweep_bounds or DEFAULT_BOUNDS,
+        sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
         command=(
             f"batchd bench --workload {args.workload} "
             + (f"--model {args.model}" if args.model else f"--preset {label}")
             + (" --quick" if scale == "quick" else "")
             + f" --max-num-seqs {max_num_seqs} --seed {args.seed}"
             + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
+            + _sweep_options(args)
         ),
     )
     report = run_bench(options, Progress())
@@ -146,3 +171,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     print(f"wrote {', '.join(str(p) for p in paths)}")
     print(report["headline"])
     return 0
+
+
+def _sweep_options(args: argparse.Namespace) -> str:
+    """The sweep's options as given, for the report's command line."""
+    if args.workload != "online-sweep":
+        return ""
+    bounds = args.sweep_bounds
+    shown = "" if bounds is None else ",".join("none" if b is None else str(b) for b in bounds)
+    return (f" --sweep-bounds {shown}" if shown else "") + (
+        f" --sweep-rounds {args.sweep_rounds}" if args.sweep_rounds else ""
+    )

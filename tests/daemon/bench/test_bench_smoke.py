@@ -24,7 +24,11 @@ from daemon.bench.workloads import SCALES, mixed, shared_prefix
 from daemon.commands import bench as bench_cmd
 from support.redis_server import RedisServer
 
-OFFLINE_SYSTEMS = {"batchd", "batchgen", "static", "sequential"}
+# Static batching runs on mixed only (daemon.bench.runner.OFFLINE_SYSTEMS).
+OFFLINE_SYSTEMS = {
+    "mixed": {"batchd", "batchgen", "static", "sequential"},
+    "shared-prefix": {"batchd", "batchgen", "sequential"},
+}
 TINY_VOCAB = 1024
 
 
@@ -79,7 +83,7 @@ def test_offline_workloads_run_every_system_to_max_tokens(bench_run: BenchRun, n
     build = mixed if name == "mixed" else shared_prefix
     workload = build(scale=SCALES["tiny"], vocab_size=TINY_VOCAB, seed=0)
     assert result["output_tokens"] == workload.output_tokens
-    assert set(result["systems"]) == OFFLINE_SYSTEMS, result["unavailable"]
+    assert set(result["systems"]) == OFFLINE_SYSTEMS[name], result["unavailable"]
     for key, figures in result["systems"].items():
         runs = {
             "sequential": SCALES["tiny"].sequential_requests,
@@ -91,7 +95,7 @@ def test_offline_workloads_run_every_system_to_max_tokens(bench_run: BenchRun, n
         assert figures["tok_s"] > 0 and figures["wall_s"] > 0, key
         assert 0 < figures["mfu"] < 1, key
         assert len(figures["ttft_s"]) == figures["requests"], key
-    assert set(result["ratios"]) == {"vs_batchgen", "vs_static", "vs_sequential"}
+    assert set(result["ratios"]) == {f"vs_{key}" for key in OFFLINE_SYSTEMS[name] - {"batchd"}}
     assert all(r > 0 for r in result["ratios"].values())
     assert result["limit"]["limit_tok_s"] > result["systems"]["batchd"]["tok_s"]
 
@@ -132,6 +136,47 @@ def test_files_and_headline(bench_run: BenchRun) -> None:
     assert last_line.startswith("mixed ") and "x BatchGenerator" in last_line
 
 
+def test_online_sweep_runs_every_bound_in_alternating_rounds(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`batchd bench --workload online-sweep`: every setting in every round, BatchGenerator
+    once a round, the table in report.md, the options in the recorded command."""
+    parser = argparse.ArgumentParser(prog="batchd")
+    bench_cmd.register(parser.add_subparsers())
+    out = tmp_path / "out"
+    args = parser.parse_args(
+        ["bench", "--model", str(tiny_model), "--scale", "tiny", "--max-num-seqs", "4"]
+        + ["--workload", "online-sweep", "--sweep-bounds", "4,none", "--sweep-rounds", "2"]
+        + ["--out", str(out)]
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert args.func(args, load_settings()) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "--sweep-bounds 4,none --sweep-rounds 2" in report["settings"]["command"]
+    sweep = report["workloads"]["online-sweep"]
+    assert sweep["bounds"] == [4, None] and not sweep["unavailable"]
+    assert len(sweep["rounds"]) == 2
+    for figures in sweep["rounds"]:
+        assert set(figures) == {"bound 4", "no bound", "batchgen"}
+        for cell in figures.values():
+            assert cell["ttft_p99_s"] >= cell["ttft_p50_s"] > 0
+            assert cell["itl_spread"] >= 1
+        assert "decode_only_spread" in figures["bound 4"]
+        assert "decode_only_spread" not in figures["batchgen"]
+    table = (out / "report.md").read_text()
+    assert "| batchd prefill bound | round 1 | round 2 |" in table
+    assert "| bound 4 |" in table and "| mlx-lm BatchGenerator |" in table
+
+
+def test_sweep_bounds_must_be_positive_or_none() -> None:
+    parser = argparse.ArgumentParser(prog="batchd")
+    bench_cmd.register(parser.add_subparsers())
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--sweep-bounds", "16,0"])
+    args = parser.parse_args(["bench", "--sweep-bounds", "16, none"])
+    assert args.sweep_bounds == (16, None)
+
+
 @pytest.mark.slow
 def test_quick_bench_on_bench_small(tmp_path: Path) -> None:
     """`batchd bench --quick` on the CPU benchmark model, every workload (a few minutes)."""
@@ -151,6 +196,6 @@ def test_quick_bench_on_bench_small(tmp_path: Path) -> None:
         server.kill()
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     for name in ("mixed", "shared-prefix"):
-        assert set(report["workloads"][name]["systems"]) == OFFLINE_SYSTEMS
+        assert set(report["workloads"][name]["systems"]) == OFFLINE_SYSTEMS[name]
     assert set(report["workloads"]["online"]["systems"]) == {"batchd", "batchgen"}
     assert report["workloads"]["queue"]["available"], report["workloads"]["queue"]
