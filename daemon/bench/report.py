@@ -44,14 +44,16 @@ def markdown(report: dict[str, Any]) -> str:
         f"Machine: {m['platform']}, {m['cpu_count']} CPUs, mlx {m['mlx']} ({m['device']}), "
         f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
         f"matmul {limit['matmul_gflops']} GFLOP/s.",
-        "",
-        "| workload | system | requests | output tokens | tok/s | batchd vs it "
-        "| TTFT p50 s | TTFT p99 s | MFU |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, result in report["workloads"].items():
-        if name not in ("mixed", "shared-prefix"):
-            continue
+    throughput = {k: v for k, v in report["workloads"].items() if k in ("mixed", "shared-prefix")}
+    if throughput:
+        lines += [
+            "",
+            "| workload | system | requests | output tokens | tok/s | batchd vs it "
+            "| TTFT p50 s | TTFT p99 s | MFU |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    for name, result in throughput.items():
         ratios = result.get("ratios", {})
         for key, fig in result["systems"].items():
             lines.append(

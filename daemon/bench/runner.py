@@ -17,7 +17,7 @@ from daemon.bench import queue
 from daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
 from daemon.bench.online import run_online, saturation_rate
 from daemon.bench.progress import Progress
-from daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS, run_online_sweep
+from daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS, run_online_sweep, sweep_headline
 from daemon.bench.systems import (
     BATCHD,
     BATCHGEN,
@@ -282,4 +282,7 @@ def headline(report: dict[str, Any]) -> str:
         parts.append(
             f"queue {q['ratio']:.2f}x in-process" if q.get("available") else f"queue {q['reason']}"
         )
+    sweep = results.get("online-sweep")
+    if sweep is not None:
+        parts.append(sweep_headline(sweep))
     return "; ".join(parts)

@@ -108,6 +108,23 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
     return lines
 
 
+def sweep_headline(sweep: dict[str, Any]) -> str:
+    """Each setting's worst round, e.g. ``bound 16 TTFT p99 3.35s ITL 1.62x``: a setting
+    meets a target only if it does in every round."""
+    parts = []
+    for bound in [*sweep["bounds"], BATCHGEN]:
+        name = BATCHGEN if bound == BATCHGEN else setting_name(bound)
+        runs = [r[name] for r in sweep["rounds"] if name in r]
+        if not runs:
+            continue
+        ttft = max(f["ttft_p99_s"] for f in runs)
+        spreads = [f["itl_spread"] for f in runs if f["itl_spread"]]
+        itl = f" ITL {max(spreads):.2f}x" if spreads else ""
+        label = "BatchGenerator" if name == BATCHGEN else name
+        parts.append(f"{label} TTFT p99 {ttft:.2f}s{itl}")
+    return "online sweep, worst round: " + ", ".join(parts)
+
+
 def _cell(figures: dict[str, Any] | None) -> str:
     if figures is None:
         return ""

@@ -166,6 +166,11 @@ def test_online_sweep_runs_every_bound_in_alternating_rounds(
     table = (out / "report.md").read_text()
     assert "| batchd prefill bound | round 1 | round 2 |" in table
     assert "| bound 4 |" in table and "| mlx-lm BatchGenerator |" in table
+    assert "| workload | system |" not in table  # no empty throughput table
+    worst = max(r["bound 4"]["ttft_p99_s"] for r in sweep["rounds"])
+    assert f"bound 4 TTFT p99 {worst:.2f}s ITL " in report["headline"]
+    assert report["headline"].startswith("online sweep, worst round: ")
+    assert f"**{report['headline']}**" in table
 
 
 def test_sweep_bounds_must_be_positive_or_none() -> None:
