@@ -53,6 +53,19 @@ static inline float exp_clamped(float x) {
   return (p * (r * r) + r + 1.0f) * bits.f;
 }
 
+/* s[t] = e**(s[t] - max s) for t < length, in place; returns 1 / their sum (the softmax's
+   normaliser, applied by the caller where it suits it). */
+static inline float exp_from_max(float *s, int length) {
+  float best = s[0], total = 0.0f;
+  for (int t = 1; t < length; t++) best = s[t] > best ? s[t] : best;
+#pragma omp simd reduction(+ : total)
+  for (int t = 0; t < length; t++) {
+    s[t] = exp_clamped(s[t] - best);
+    total += s[t];
+  }
+  return 1.0f / total;
+}
+
 /* The rows from position t0 of a sequence that lie in one block (*rows of them, consecutive
    in the pool): block by block, a walk over a block table reads memory in order. */
 static inline const float *block_at(const float *pool, const int32_t *table, int t0, int length,
@@ -88,14 +101,7 @@ static void attend(const Work *w, int task, float *scores) {
   }
   for (int g = 0; g < group; g++) {
     float *s = scores + (int64_t)g * length;
-    float best = s[0], total = 0.0f;
-    for (int t = 1; t < length; t++) best = s[t] > best ? s[t] : best;
-#pragma omp simd reduction(+ : total)
-    for (int t = 0; t < length; t++) {
-      s[t] = exp_clamped(s[t] - best);
-      total += s[t];
-    }
-    const float inv = 1.0f / total;
+    const float inv = exp_from_max(s, length);
 #pragma omp simd
     for (int t = 0; t < length; t++) s[t] *= inv;
     for (int d = 0; d < dim; d++) out[(int64_t)g * dim + d] = 0.0f;
@@ -202,14 +208,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Work *w, int 
   }
   for (int g = 0; g < group; g++) {
     float *s = scores + (int64_t)g * stride;
-    float best = s[0], total = 0.0f;
-    for (int t = 1; t < length; t++) best = s[t] > best ? s[t] : best;
-#pragma omp simd reduction(+ : total)
-    for (int t = 0; t < length; t++) {
-      s[t] = exp_clamped(s[t] - best);
-      total += s[t];
-    }
-    const float inv = 1.0f / total;
+    const float inv = exp_from_max(s, length);
     /* The weighted sum of values, one query head at a time, in registers. */
     v16 acc[16];
     for (int c = 0; c < chunks; c++) acc[c] = (v16){0};
