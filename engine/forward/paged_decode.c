@@ -74,24 +74,35 @@ static inline const float *block_at(const float *pool, const int32_t *table, int
   return pool + (int64_t)table[t0 / bs] * bs * dim;
 }
 
-static void attend(const Work *w, int task, float *scores) {
+/* One task: a sequence's query heads that share one KV head, and where its rows live. */
+typedef struct {
+  int group, length;
+  const int32_t *table;
+  const float *keys, *values, *q;
+  float *out;
+} Task;
+
+static inline Task task_view(const Work *w, int task) {
   const int b = task / w->kv_heads, h = task % w->kv_heads;
-  const int group = w->heads / w->kv_heads, dim = w->dim, bs = w->block_size;
-  const int length = w->lengths[b];
-  const int32_t *table = w->tables + (int64_t)b * w->width;
-  const float *keys = w->k + (int64_t)h * w->slots * dim;
-  const float *values = w->v + (int64_t)h * w->slots * dim;
-  const int64_t head0 = ((int64_t)b * w->heads + (int64_t)h * group) * dim;
-  const float *q = w->q + head0;
-  float *out = w->out + head0;
+  const int group = w->heads / w->kv_heads;
+  const int64_t head0 = ((int64_t)b * w->heads + (int64_t)h * group) * w->dim;
+  const int64_t kv0 = (int64_t)h * w->slots * w->dim;
+  return (Task){group,       w->lengths[b], w->tables + (int64_t)b * w->width,
+                w->k + kv0,  w->v + kv0,    w->q + head0,
+                w->out + head0};
+}
+
+static void attend(const Work *w, int task, float *scores) {
+  const Task tk = task_view(w, task);
+  const int group = tk.group, dim = w->dim, bs = w->block_size, length = tk.length;
 
   int rows;
   for (int t0 = 0; t0 < length; t0 += bs) {
-    const float *block = block_at(keys, table, t0, length, bs, dim, &rows);
+    const float *block = block_at(tk.keys, tk.table, t0, length, bs, dim, &rows);
     for (int j = 0; j < rows; j++) {
       const float *key = block + (int64_t)j * dim;
       for (int g = 0; g < group; g++) {
-        const float *qg = q + (int64_t)g * dim;
+        const float *qg = tk.q + (int64_t)g * dim;
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int d = 0; d < dim; d++) acc += qg[d] * key[d];
@@ -104,15 +115,15 @@ static void attend(const Work *w, int task, float *scores) {
     const float inv = exp_from_max(s, length);
 #pragma omp simd
     for (int t = 0; t < length; t++) s[t] *= inv;
-    for (int d = 0; d < dim; d++) out[(int64_t)g * dim + d] = 0.0f;
+    for (int d = 0; d < dim; d++) tk.out[(int64_t)g * dim + d] = 0.0f;
   }
   for (int t0 = 0; t0 < length; t0 += bs) {
-    const float *block = block_at(values, table, t0, length, bs, dim, &rows);
+    const float *block = block_at(tk.values, tk.table, t0, length, bs, dim, &rows);
     for (int j = 0; j < rows; j++) {
       const float *value = block + (int64_t)j * dim;
       for (int g = 0; g < group; g++) {
         const float weight = scores[(int64_t)g * length + t0 + j];
-        float *o = out + (int64_t)g * dim;
+        float *o = tk.out + (int64_t)g * dim;
 #pragma omp simd
         for (int d = 0; d < dim; d++) o[d] += weight * value[d];
       }
@@ -137,25 +148,25 @@ static inline v16 load16(const float *p) {
   return x;
 }
 
-/* The lanes of a and b, taken in runs of `run`: the first runs of each pair, then the
-   second; added, every output run is the sum of two runs of one input. */
-#define PAIR_SUM(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
-static inline v16 fold8(v16 a, v16 b) {
-  return PAIR_SUM(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         PAIR_SUM(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-static inline v16 fold4(v16 a, v16 b) {
-  return PAIR_SUM(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         PAIR_SUM(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-static inline v16 fold2(v16 a, v16 b) {
-  return PAIR_SUM(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         PAIR_SUM(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-static inline v16 fold1(v16 a, v16 b) {
-  return PAIR_SUM(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         PAIR_SUM(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
+/* fold<run>(a, b): the lanes of a and b taken in runs of `run`, the first run of each
+   pair of runs from a and b alternately, added to the second runs: every output run is
+   the sum of two runs of one input. LANE is the source of output lane i (0-15 in a,
+   16-31 in b) among the first runs; the second runs are `run` lanes further on. */
+#define LANE(run, i) ((i) / (run) / 2 * 2 * (run) + (i) % (run) + (i) / (run) % 2 * 16)
+#define LANES(run, o)                                                                    \
+  LANE(run, 0) + o, LANE(run, 1) + o, LANE(run, 2) + o, LANE(run, 3) + o, LANE(run, 4) + o, \
+      LANE(run, 5) + o, LANE(run, 6) + o, LANE(run, 7) + o, LANE(run, 8) + o,               \
+      LANE(run, 9) + o, LANE(run, 10) + o, LANE(run, 11) + o, LANE(run, 12) + o,            \
+      LANE(run, 13) + o, LANE(run, 14) + o, LANE(run, 15) + o
+#define FOLD(run)                                                  \
+  static inline v16 fold##run(v16 a, v16 b) {                      \
+    return __builtin_shufflevector(a, b, LANES(run, 0)) +          \
+           __builtin_shufflevector(a, b, LANES(run, run));         \
+  }
+FOLD(8)
+FOLD(4)
+FOLD(2)
+FOLD(1)
 
 /* Lane j of the result is the sum of the lanes of p[BITREV[j]]: the tree of folds leaves
    lane j holding the vector it was given in position bit-reversed j, so vectors stored
@@ -172,15 +183,8 @@ static inline v16 sum16(const v16 *p) {
 static inline __attribute__((always_inline)) void attend_vec(const Work *w, int task,
                                                              float *scores, v16 *parts,
                                                              const int chunks) {
-  const int b = task / w->kv_heads, h = task % w->kv_heads;
-  const int group = w->heads / w->kv_heads, dim = w->dim, bs = w->block_size;
-  const int length = w->lengths[b];
-  const int32_t *table = w->tables + (int64_t)b * w->width;
-  const float *keys = w->k + (int64_t)h * w->slots * dim;
-  const float *values = w->v + (int64_t)h * w->slots * dim;
-  const int64_t head0 = ((int64_t)b * w->heads + (int64_t)h * group) * dim;
-  const float *q = w->q + head0;
-  float *out = w->out + head0;
+  const Task tk = task_view(w, task);
+  const int group = tk.group, dim = w->dim, bs = w->block_size, length = tk.length;
   const int stride = (length + 15) / 16 * 16 + 16; /* scores row of one query head */
 
   /* Scores, 16 keys at a time (a table's block may hold fewer: the rest are zeros). */
@@ -189,12 +193,12 @@ static inline __attribute__((always_inline)) void attend_vec(const Work *w, int 
     const int n = length - t0 < 16 ? length - t0 : 16;
     for (int j = 0; j < n; j++) {
       const int t = t0 + j;
-      const float *key = block_at(keys, table, t - t % bs, length, bs, dim, &rows) +
+      const float *key = block_at(tk.keys, tk.table, t - t % bs, length, bs, dim, &rows) +
                          (int64_t)(t % bs) * dim;
       v16 k[16];
       for (int c = 0; c < chunks; c++) k[c] = load16(key + 16 * c);
       for (int g = 0; g < group; g++) {
-        const float *qg = q + (int64_t)g * dim;
+        const float *qg = tk.q + (int64_t)g * dim;
         v16 acc = load16(qg) * k[0];
         for (int c = 1; c < chunks; c++) acc += load16(qg + 16 * c) * k[c];
         parts[g * 16 + BITREV[j]] = acc;
@@ -213,7 +217,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Work *w, int 
     v16 acc[16];
     for (int c = 0; c < chunks; c++) acc[c] = (v16){0};
     for (int t0 = 0; t0 < length; t0 += bs) {
-      const float *block = block_at(values, table, t0, length, bs, dim, &rows);
+      const float *block = block_at(tk.values, tk.table, t0, length, bs, dim, &rows);
       for (int j = 0; j < rows; j++) {
         const float weight = s[t0 + j];
         const float *value = block + (int64_t)j * dim;
@@ -222,7 +226,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Work *w, int 
     }
     for (int c = 0; c < chunks; c++) {
       const v16 scaled = acc[c] * inv;
-      memcpy(out + (int64_t)g * dim + 16 * c, &scaled, sizeof scaled);
+      memcpy(tk.out + (int64_t)g * dim + 16 * c, &scaled, sizeof scaled);
     }
   }
 }

@@ -3,6 +3,9 @@ engine on both paths (the gather path stays tested where the kernel is on)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -66,6 +69,22 @@ def _kernel(
 needs_kernel = pytest.mark.skipif(
     not native.available(), reason="no C compiler here: the kernel cannot be built"
 )
+
+
+def test_the_kernel_builds_wherever_there_is_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source that does not compile must fail here, not turn the kernel tests into skips
+    (the engine would quietly run the slower MLX path)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here: the kernel cannot be built")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a build of its own, not a cached one
+    try:
+        built = native._build(compiler)
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"the kernel does not compile: {exc.stderr.decode(errors='replace')}")
+    assert built.is_file() and built.parent == tmp_path / "batchd" / "kernels"
 
 
 @needs_kernel
