@@ -87,9 +87,13 @@ static inline Task task_view(const Work *w, int task) {
   const int group = w->heads / w->kv_heads;
   const int64_t head0 = ((int64_t)b * w->heads + (int64_t)h * group) * w->dim;
   const int64_t kv0 = (int64_t)h * w->slots * w->dim;
-  return (Task){group,       w->lengths[b], w->tables + (int64_t)b * w->width,
-                w->k + kv0,  w->v + kv0,    w->q + head0,
-                w->out + head0};
+  return (Task){.group = group,
+                .length = w->lengths[b],
+                .table = w->tables + (int64_t)b * w->width,
+                .keys = w->k + kv0,
+                .values = w->v + kv0,
+                .q = w->q + head0,
+                .out = w->out + head0};
 }
 
 static void attend(const Work *w, int task, float *scores) {
