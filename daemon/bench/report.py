@@ -8,6 +8,7 @@ from typing import Any
 
 from daemon.bench.sweep import sweep_lines
 from daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
+from daemon.bench.workloads import THROUGHPUT_WORKLOADS
 
 JSON_NAME, MARKDOWN_NAME, CHART_NAME = "report.json", "report.md", "report.png"
 _COLORS = {BATCHD: "#1f77b4", BATCHGEN: "#ff7f0e", "static": "#2ca02c", "sequential": "#7f7f7f"}
@@ -31,6 +32,10 @@ def _bound(value: int | None) -> str:
     return "none" if value is None else str(value)
 
 
+def _throughput_results(report: dict[str, Any]) -> dict[str, Any]:
+    return {n: r for n, r in report["workloads"].items() if n in THROUGHPUT_WORKLOADS}
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Settings, throughput table (with ratios, MFU and the FLOP limit), latency table."""
     s, m, limit = report["settings"], report["machine"], report["limit"]
@@ -45,7 +50,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
         f"matmul {limit['matmul_gflops']} GFLOP/s.",
     ]
-    throughput = {k: v for k, v in report["workloads"].items() if k in ("mixed", "shared-prefix")}
+    throughput = _throughput_results(report)
     if throughput:
         lines += [
             "",
@@ -162,7 +167,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
 def _throughput_panel(ax: Any, report: dict[str, Any]) -> None:
     """Grouped bars, one group per throughput workload, log scale, the FLOP limit dotted."""
-    offline = {n: r for n, r in report["workloads"].items() if n in ("mixed", "shared-prefix")}
+    offline = _throughput_results(report)
     if not offline:
         ax.text(0.5, 0.5, "no throughput workload in this run", ha="center", va="center")
         ax.set_axis_off()

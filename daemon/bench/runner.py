@@ -29,7 +29,13 @@ from daemon.bench.systems import (
     SystemSettings,
     SystemUnavailable,
 )
-from daemon.bench.workloads import Scale, Workload, mixed, shared_prefix
+from daemon.bench.workloads import (
+    THROUGHPUT_WORKLOADS,
+    Scale,
+    Workload,
+    mixed,
+    shared_prefix,
+)
 from engine.blas import loaded_core, loaded_openblas
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
@@ -148,7 +154,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     }
     short_mixed = workloads["mixed"].subset(options.scale.short_requests)
     results = report["workloads"]
-    for name in ("mixed", "shared-prefix"):
+    for name in THROUGHPUT_WORKLOADS:
         if name in options.workloads:
             results[name] = offline_workload(
                 systems, workloads[name], OFFLINE_SYSTEMS[name], flops=flops, scale=options.scale
@@ -255,7 +261,7 @@ def headline(report: dict[str, Any]) -> str:
     """The one line that says it all, e.g. ``mixed 1.62x BatchGenerator, 4.1x sequential; ...``."""
     parts = []
     results = report["workloads"]
-    for name in ("mixed", "shared-prefix"):
+    for name in THROUGHPUT_WORKLOADS:
         if name not in results:
             continue
         ratios = results[name].get("ratios")

@@ -85,10 +85,14 @@ def _figures(summary: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
+def _settings(sweep: dict[str, Any]) -> list[str]:
+    """The keys of a round's figures: batchd's bounds in sweep order, then BatchGenerator."""
+    return [setting_name(b) for b in sweep["bounds"]] + [BATCHGEN]
+
+
 def sweep_lines(sweep: dict[str, Any]) -> list[str]:
     """The sweep as a Markdown table: a row per setting, a column per round."""
     rounds = sweep["rounds"]
-    names = [setting_name(b) for b in sweep["bounds"]] + [BATCHGEN]
     header = " | ".join(f"round {i + 1}" for i in range(len(rounds)))
     lines = [
         "",
@@ -99,7 +103,7 @@ def sweep_lines(sweep: dict[str, Any]) -> list[str]:
         f"| batchd prefill bound | {header} |",
         "| --- |" + " ---: |" * len(rounds),
     ]
-    for name in names:
+    for name in _settings(sweep):
         cells = [_cell(r.get(name)) for r in rounds]
         label = "mlx-lm BatchGenerator" if name == BATCHGEN else name
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -112,8 +116,7 @@ def sweep_headline(sweep: dict[str, Any]) -> str:
     """Each setting's worst round, e.g. ``bound 16 TTFT p99 3.35s ITL 1.62x``: a setting
     meets a target only if it does in every round."""
     parts = []
-    for bound in [*sweep["bounds"], BATCHGEN]:
-        name = BATCHGEN if bound == BATCHGEN else setting_name(bound)
+    for name in _settings(sweep):
         runs = [r[name] for r in sweep["rounds"] if name in r]
         if not runs:
             continue

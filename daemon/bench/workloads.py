@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 # keep theirs low too. Staying above them keeps prompts plain text.
 _FIRST_ORDINARY_ID = 16
 
+# The workloads whose requests all arrive at once: throughput, ratios and MFU.
+THROUGHPUT_WORKLOADS = ("mixed", "shared-prefix")
+
 
 @dataclass(frozen=True)
 class Request:

@@ -88,14 +88,19 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def compiler() -> str | None:
+    """The C compiler that builds the kernel: $CC, else cc, else gcc; None without one."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         log.info("no C compiler: decode attention gathers KV blocks with MLX")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = ctypes.CDLL(str(_build(compiler_path)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         log.warning(

@@ -3,8 +3,6 @@ engine on both paths (the gather path stays tested where the kernel is on)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -76,7 +74,7 @@ def test_the_kernel_builds_wherever_there_is_a_compiler(
 ) -> None:
     """A source that does not compile must fail here, not turn the kernel tests into skips
     (the engine would quietly run the slower MLX path)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = native.compiler()
     if compiler is None:
         pytest.skip("no C compiler here: the kernel cannot be built")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a build of its own, not a cached one
