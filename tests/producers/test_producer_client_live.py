@@ -259,3 +259,43 @@ def test_a_failover_under_a_blocking_read_is_followed_through(redis_server: Redi
             r.xadd(KEYS.events("failover"), {"event": event.encode()}, id=f"0-{event.seq + 1}")
         reader.join(30)
     assert [e.seq for e in events] == [0, 1, 2]
+
+
+def test_error_replies_reach_the_caller_and_leave_nothing_half_done(
+    redis_server: RedisServer,
+) -> None:
+    """On a real redis-server, sync and async alike: a submit refused for memory (OOM under
+    noeviction) raises and enqueues nothing, and succeeds once Redis has room again; a
+    follower whose user may not XREAD raises NOPERM at once instead of retrying."""
+    admin = redis_server.client()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        with Client(redis_server.url) as c, pytest.raises(redis.ResponseError, match="maxmemory"):
+            c.submit(prompt_token_ids=[1, 2], id="full", max_tokens=2)
+
+        async def submit_async() -> None:
+            async with AsyncClient(redis_server.url) as ac:
+                await ac.submit(prompt_token_ids=[1, 2], id="full", max_tokens=2)
+
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            asyncio.run(submit_async())
+        assert not admin.exists(KEYS.job("full")) and not admin.exists(KEYS.queue("default"))
+    finally:
+        admin.config_set("maxmemory", 0)
+    with Client(redis_server.url) as c:
+        c.submit(prompt_token_ids=[1, 2], id="full", max_tokens=2)
+    assert admin.xlen(KEYS.queue("default")) == 1
+    admin.acl_setuser(
+        "blind", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-xread"]
+    )
+    url = f"redis://blind:pw@127.0.0.1:{redis_server.port}/0"
+    with Client(url, block_ms=200) as c, pytest.raises(redis.exceptions.NoPermissionError):
+        list(c.stream("full", timeout=5))
+
+    async def follow_async() -> None:
+        async with AsyncClient(url, block_ms=200) as ac:
+            [e async for e in ac.stream("full", timeout=5)]
+
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        asyncio.run(follow_async())
