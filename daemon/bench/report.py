@@ -8,7 +8,7 @@ from typing import Any
 
 from daemon.bench.sweep import sweep_lines
 from daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
-from daemon.bench.workloads import THROUGHPUT_WORKLOADS
+from daemon.bench.workloads import LATENCY_WORKLOADS, THROUGHPUT_WORKLOADS
 
 JSON_NAME, MARKDOWN_NAME, CHART_NAME = "report.json", "report.md", "report.png"
 _COLORS = {BATCHD: "#1f77b4", BATCHGEN: "#ff7f0e", "static": "#2ca02c", "sequential": "#7f7f7f"}
@@ -39,12 +39,17 @@ def _throughput_results(report: dict[str, Any]) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """Settings, throughput table (with ratios, MFU and the FLOP limit), latency table."""
     s, m, limit = report["settings"], report["machine"], report["limit"]
+    # The online workloads name their own prefill bounds; the engine setting is the others'.
+    bound = (
+        f"max_prefill_tokens_with_decodes {_bound(s['max_prefill_tokens_with_decodes'])}, "
+        if set(report["workloads"]) - set(LATENCY_WORKLOADS)
+        else ""
+    )
     lines = [
         "# batchd bench",
         "",
         f"Model `{s['model_label']}` ({s['dtype']}), max_num_seqs {s['max_num_seqs']}, "
-        f"max_num_batched_tokens {s['max_num_batched_tokens']}, "
-        f"max_prefill_tokens_with_decodes {_bound(s['max_prefill_tokens_with_decodes'])}, "
+        f"max_num_batched_tokens {s['max_num_batched_tokens']}, {bound}"
         f"scale {s['scale']}.",
         f"Machine: {m['platform']}, {m['cpu_count']} CPUs, mlx {m['mlx']} ({m['device']}), "
         f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "

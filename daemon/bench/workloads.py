@@ -16,6 +16,8 @@ _FIRST_ORDINARY_ID = 16
 
 # The workloads whose requests all arrive at once: throughput, ratios and MFU.
 THROUGHPUT_WORKLOADS = ("mixed", "shared-prefix")
+# Workloads run at their own prefill bounds, not the engine settings' one.
+LATENCY_WORKLOADS = ("online", "online-sweep")
 
 
 @dataclass(frozen=True)

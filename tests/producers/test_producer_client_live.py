@@ -299,3 +299,36 @@ def test_error_replies_reach_the_caller_and_leave_nothing_half_done(
 
     with pytest.raises(redis.exceptions.NoPermissionError):
         asyncio.run(follow_async())
+
+
+def test_a_read_only_replica_refuses_submit_and_cancel_at_once(redis_server: RedisServer) -> None:
+    """A client pointed at a replica (a failover demoted its server) hears READONLY on
+    submit and cancel, sync and async, at once and not after retrying; nothing is written,
+    and the same calls succeed once the server is a primary again."""
+    admin = redis_server.client()
+    with Client(redis_server.url) as c:
+        c.submit(prompt_token_ids=[1, 2], id="before", max_tokens=2)
+    admin.replicaof("127.0.0.1", free_port())  # a primary that is not there: read-only
+
+    async def submit_async() -> None:
+        async with AsyncClient(redis_server.url) as ac:
+            await ac.submit(prompt_token_ids=[1, 2], id="replica", max_tokens=2)
+
+    try:
+        started = time.monotonic()
+        with Client(redis_server.url) as c:
+            with pytest.raises(redis.exceptions.ReadOnlyError):
+                c.submit(prompt_token_ids=[1, 2], id="replica", max_tokens=2)
+            with pytest.raises(redis.exceptions.ReadOnlyError):
+                c.cancel("before")
+        with pytest.raises(redis.exceptions.ReadOnlyError):
+            asyncio.run(submit_async())
+        assert time.monotonic() - started < 5
+        assert not admin.exists(KEYS.job("replica"))
+        assert admin.hget(KEYS.job("before"), "cancel_requested") == b"0"
+    finally:
+        admin.replicaof("NO", "ONE")
+    asyncio.run(submit_async())
+    with Client(redis_server.url) as c:
+        assert c.cancel("before")
+    assert admin.xlen(KEYS.queue("default")) == 2

@@ -167,6 +167,7 @@ def test_online_sweep_runs_every_bound_in_alternating_rounds(
     assert "| batchd prefill bound | round 1 | round 2 |" in table
     assert "| bound 4 |" in table and "| mlx-lm BatchGenerator |" in table
     assert "| workload | system |" not in table  # no empty throughput table
+    assert "max_prefill_tokens_with_decodes" not in table  # each row names its bound
     worst = max(r["bound 4"]["ttft_p99_s"] for r in sweep["rounds"])
     assert f"bound 4 TTFT p99 {worst:.2f}s ITL " in report["headline"]
     assert report["headline"].startswith("online sweep, worst round: ")
