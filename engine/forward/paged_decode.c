@@ -137,37 +137,52 @@ static void attend(const Work *w, int task, float *scores) {
 
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-/* Head sizes that are a multiple of 16 take a vector path: a 16-float vector type the
-   compiler maps to one AVX-512 register, two AVX2 or four NEON registers. The plain loops
-   above spend ~150 cycles a key row on 3 query heads (a horizontal sum per dot product,
-   the output rows loaded and stored for every key); here a key's products stay vectors
-   and one shuffle tree sums 16 keys' vectors at once, and the weighted sum of values runs
-   in registers. */
+/* Head sizes that are a multiple of VL take a vector path: a VL-float vector type as wide
+   as the machine's registers (16 floats, one AVX-512 register; else 8, one AVX2 register
+   or two NEON ones). The plain loops above spend ~150 cycles a key row on 3 query heads (a
+   horizontal sum per dot product, the output rows loaded and stored for every key); here a
+   key's products stay vectors and one shuffle tree sums VL keys' vectors at once, and the
+   weighted sum of values runs in registers. A vector wider than the registers is slower
+   than the plain loops: on an AVX2 host a 16-float type spilled to the stack and attention
+   took 4.5 ms a layer where the plain loops take 2.8 and this path, with 8 floats, 1.5
+   (SmolLM2, 32 sequences of ~330 keys, 2 cores). */
 #define VECTOR_PATH 1
-typedef float v16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
 
-static inline v16 load16(const float *p) {
-  v16 x;
+static inline vec load_vec(const float *p) {
+  vec x;
   memcpy(&x, p, sizeof x);
   return x;
 }
 
 /* fold<run>(a, b): the lanes of a and b taken in runs of `run`, the first run of each
    pair of runs from a and b alternately, added to the second runs: every output run is
-   the sum of two runs of one input. LANE is the source of output lane i (0-15 in a,
-   16-31 in b) among the first runs; the second runs are `run` lanes further on. */
-#define LANE(run, i) ((i) / (run) / 2 * 2 * (run) + (i) % (run) + (i) / (run) % 2 * 16)
-#define LANES(run, o)                                                                    \
+   the sum of two runs of one input. LANE is the source of output lane i (0 to VL-1 in a,
+   VL to 2VL-1 in b) among the first runs; the second runs are `run` lanes further on. */
+#define LANE(run, i) ((i) / (run) / 2 * 2 * (run) + (i) % (run) + (i) / (run) % 2 * VL)
+#define LANES8(run, o)                                                                    \
   LANE(run, 0) + o, LANE(run, 1) + o, LANE(run, 2) + o, LANE(run, 3) + o, LANE(run, 4) + o, \
-      LANE(run, 5) + o, LANE(run, 6) + o, LANE(run, 7) + o, LANE(run, 8) + o,               \
-      LANE(run, 9) + o, LANE(run, 10) + o, LANE(run, 11) + o, LANE(run, 12) + o,            \
-      LANE(run, 13) + o, LANE(run, 14) + o, LANE(run, 15) + o
+      LANE(run, 5) + o, LANE(run, 6) + o, LANE(run, 7) + o
+#if VL == 16
+#define LANES(run, o)                                                                     \
+  LANES8(run, o), LANE(run, 8) + o, LANE(run, 9) + o, LANE(run, 10) + o, LANE(run, 11) + o, \
+      LANE(run, 12) + o, LANE(run, 13) + o, LANE(run, 14) + o, LANE(run, 15) + o
+#else
+#define LANES(run, o) LANES8(run, o)
+#endif
 #define FOLD(run)                                                  \
-  static inline v16 fold##run(v16 a, v16 b) {                      \
+  static inline vec fold##run(vec a, vec b) {                      \
     return __builtin_shufflevector(a, b, LANES(run, 0)) +          \
            __builtin_shufflevector(a, b, LANES(run, run));         \
   }
+#if VL == 16
 FOLD(8)
+#endif
 FOLD(4)
 FOLD(2)
 FOLD(1)
@@ -175,42 +190,54 @@ FOLD(1)
 /* Lane j of the result is the sum of the lanes of p[BITREV[j]]: the tree of folds leaves
    lane j holding the vector it was given in position bit-reversed j, so vectors stored
    at BITREV[key] come out in key order. */
+#if VL == 16
 static const int BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-static inline v16 sum16(const v16 *p) {
-  v16 a = fold8(p[0], p[1]), b = fold8(p[2], p[3]), c = fold8(p[4], p[5]);
-  v16 d = fold8(p[6], p[7]), e = fold8(p[8], p[9]), f = fold8(p[10], p[11]);
-  v16 g = fold8(p[12], p[13]), h = fold8(p[14], p[15]);
+static inline vec sum_lanes(const vec *p) {
+  vec a = fold8(p[0], p[1]), b = fold8(p[2], p[3]), c = fold8(p[4], p[5]);
+  vec d = fold8(p[6], p[7]), e = fold8(p[8], p[9]), f = fold8(p[10], p[11]);
+  vec g = fold8(p[12], p[13]), h = fold8(p[14], p[15]);
   return fold1(fold2(fold4(a, b), fold4(c, d)), fold2(fold4(e, f), fold4(g, h)));
 }
+#else
+static const int BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+static inline vec sum_lanes(const vec *p) {
+  vec a = fold4(p[0], p[1]), b = fold4(p[2], p[3]), c = fold4(p[4], p[5]);
+  vec d = fold4(p[6], p[7]);
+  return fold1(fold2(a, b), fold2(c, d));
+}
+#endif
 
-/* attend() for dim = 16 * chunks; inlined with chunks a constant where it is called. */
+/* Most vectors a head of up to 256 floats spans. */
+#define MAX_CHUNKS (256 / VL)
+
+/* attend() for dim = VL * chunks; inlined with chunks a constant where it is called. */
 static inline __attribute__((always_inline)) void attend_vec(const Work *w, int task,
-                                                             float *scores, v16 *parts,
+                                                             float *scores, vec *parts,
                                                              const int chunks) {
   const Task tk = task_view(w, task);
   const int group = tk.group, dim = w->dim, bs = w->block_size, length = tk.length;
-  const int stride = (length + 15) / 16 * 16 + 16; /* scores row of one query head */
+  const int stride = (length + VL - 1) / VL * VL + VL; /* scores row of one query head */
 
-  /* Scores, 16 keys at a time (a table's block may hold fewer: the rest are zeros). */
+  /* Scores, VL keys at a time (a table's block may hold fewer: the rest are zeros). */
   int rows;
-  for (int t0 = 0; t0 < length; t0 += 16) {
-    const int n = length - t0 < 16 ? length - t0 : 16;
+  for (int t0 = 0; t0 < length; t0 += VL) {
+    const int n = length - t0 < VL ? length - t0 : VL;
     for (int j = 0; j < n; j++) {
       const int t = t0 + j;
       const float *key = block_at(tk.keys, tk.table, t - t % bs, length, bs, dim, &rows) +
                          (int64_t)(t % bs) * dim;
-      v16 k[16];
-      for (int c = 0; c < chunks; c++) k[c] = load16(key + 16 * c);
+      vec k[MAX_CHUNKS];
+      for (int c = 0; c < chunks; c++) k[c] = load_vec(key + VL * c);
       for (int g = 0; g < group; g++) {
         const float *qg = tk.q + (int64_t)g * dim;
-        v16 acc = load16(qg) * k[0];
-        for (int c = 1; c < chunks; c++) acc += load16(qg + 16 * c) * k[c];
-        parts[g * 16 + BITREV[j]] = acc;
+        vec acc = load_vec(qg) * k[0];
+        for (int c = 1; c < chunks; c++) acc += load_vec(qg + VL * c) * k[c];
+        parts[g * VL + BITREV[j]] = acc;
       }
     }
     for (int g = 0; g < group; g++) {
-      for (int j = n; j < 16; j++) parts[g * 16 + BITREV[j]] = (v16){0};
-      const v16 sums = sum16(parts + g * 16) * w->scale;
+      for (int j = n; j < VL; j++) parts[g * VL + BITREV[j]] = (vec){0};
+      const vec sums = sum_lanes(parts + g * VL) * w->scale;
       memcpy(scores + (int64_t)g * stride + t0, &sums, sizeof sums);
     }
   }
@@ -218,36 +245,36 @@ static inline __attribute__((always_inline)) void attend_vec(const Work *w, int 
     float *s = scores + (int64_t)g * stride;
     const float inv = exp_from_max(s, length);
     /* The weighted sum of values, one query head at a time, in registers. */
-    v16 acc[16];
-    for (int c = 0; c < chunks; c++) acc[c] = (v16){0};
+    vec acc[MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++) acc[c] = (vec){0};
     for (int t0 = 0; t0 < length; t0 += bs) {
       const float *block = block_at(tk.values, tk.table, t0, length, bs, dim, &rows);
       for (int j = 0; j < rows; j++) {
         const float weight = s[t0 + j];
         const float *value = block + (int64_t)j * dim;
-        for (int c = 0; c < chunks; c++) acc[c] += weight * load16(value + 16 * c);
+        for (int c = 0; c < chunks; c++) acc[c] += weight * load_vec(value + VL * c);
       }
     }
     for (int c = 0; c < chunks; c++) {
-      const v16 scaled = acc[c] * inv;
-      memcpy(tk.out + (int64_t)g * dim + 16 * c, &scaled, sizeof scaled);
+      const vec scaled = acc[c] * inv;
+      memcpy(tk.out + (int64_t)g * dim + VL * c, &scaled, sizeof scaled);
     }
   }
 }
 
-static void attend_any(const Work *w, int task, float *scores, v16 *parts) {
+static void attend_any(const Work *w, int task, float *scores, vec *parts) {
   switch (w->dim) {
-    case 32: attend_vec(w, task, scores, parts, 2); break;
-    case 64: attend_vec(w, task, scores, parts, 4); break;
-    case 128: attend_vec(w, task, scores, parts, 8); break;
-    default: attend_vec(w, task, scores, parts, w->dim / 16);
+    case 32: attend_vec(w, task, scores, parts, 32 / VL); break;
+    case 64: attend_vec(w, task, scores, parts, 64 / VL); break;
+    case 128: attend_vec(w, task, scores, parts, 128 / VL); break;
+    default: attend_vec(w, task, scores, parts, w->dim / VL);
   }
 }
 #endif
 
 static int vector_dim(int dim) {
 #ifdef VECTOR_PATH
-  return dim % 16 == 0 && dim <= 256;
+  return dim % VL == 0 && dim <= 256;
 #else
   (void)dim;
   return 0;
@@ -262,7 +289,8 @@ static void *run(void *arg) {
     longest = length > longest ? length : longest;
   }
   const size_t group = (size_t)(w->heads / w->kv_heads);
-  /* Room for each query head's scores rounded up to 16 keys, plus 16 (the vector path). */
+  /* Room for each query head's scores rounded up to VL keys, plus VL (the vector path;
+     VL <= 16). */
   float *scores = malloc(sizeof(float) * ((size_t)longest + 32) * group);
   if (scores == NULL) {
     w->failed = 1;
@@ -270,7 +298,7 @@ static void *run(void *arg) {
   }
 #ifdef VECTOR_PATH
   if (vector_dim(w->dim)) {
-    v16 *parts = aligned_alloc(64, sizeof(v16) * 16 * group);
+    vec *parts = aligned_alloc(64, sizeof(vec) * VL * group);
     if (parts == NULL) {
       w->failed = 1;
     } else {
