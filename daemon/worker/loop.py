@@ -1,10 +1,16 @@
-"""The daemon's loop: intake, control, step, publish, then claims at their own interval.
+"""The daemon's loop: step, settle, intake, control, claims at their own interval, publish.
 
 Everything here runs on one thread, the engine thread (MLX streams are
-thread-local); only the heartbeat has a thread (and a connection) of its own.
-A busy step costs one Redis round trip: the publish pipeline also carries the
-cancellation read and the intake read (see daemon.worker.intake); only new jobs'
-pickup adds one, and only an idle daemon blocks on Redis.
+thread-local); the heartbeat has a thread (and a connection) of its own, and
+the publish pipeline is executed by a thread of its own while the next step
+runs. A busy step waits for no Redis round trip: step N's pipeline (its tokens,
+statuses and acks, plus the cancellation read and the intake read, see
+daemon.worker.intake) is in flight while step N+1 computes, and is settled
+right after it; only new jobs' pickup adds a round trip, and only an idle
+daemon blocks on Redis. So jobs read and cancellations seen by step N's
+pipeline take effect at step N+2. No Redis command of this thread runs while
+a pipeline is in flight, so Redis sees the daemon's commands in the order of
+a loop that waits for every reply.
 Signals set a flag: intake stops, running jobs get the grace period to
 finish, the rest stay pending in the group (their published events are the
 checkpoint), and ``run`` returns.
@@ -20,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -38,7 +45,7 @@ from daemon.worker.jobs import Delivery, Job
 from daemon.worker.member import Member
 from daemon.worker.metrics import Meter
 from daemon.worker.pickup import PickupPolicy
-from daemon.worker.publisher import Piggyback, Publisher
+from daemon.worker.publisher import Flush, FlushResult, Piggyback, Publisher
 from daemon.worker.redis_io import REDIS_DOWN, REDIS_REFUSING, Backoff, connect, refuse_cluster
 from producers.keys import CONSUMER_GROUP, Keys
 from producers.schema import FinishReason
@@ -76,6 +83,9 @@ class Worker:
         self.publisher = Publisher(
             self.redis, self.keys, owner=consumer, result_ttl_s=settings.result_ttl_s
         )
+        # The pipeline in flight (at most one), executed by the publishing thread.
+        self._in_flight: tuple[Flush, Future[list[Any]]] | None = None
+        self._publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchd-publish")
         member = Member(self.redis, self.keys, consumer)
         self.pickup = PickupPolicy(
             member,
@@ -124,6 +134,12 @@ class Worker:
             self.settings.daemon.grace_period_s,
         )
 
+    @property
+    def pipeline_in_flight(self) -> bool:
+        """A publish pipeline is sent and its replies not yet applied (the step runs
+        meanwhile)."""
+        return self._in_flight is not None
+
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -139,11 +155,12 @@ class Worker:
         )
         self.ops.ready(self)
         while not self._done():
+            self.step()
+            self.settle()
             self.intake()
             self.control()
-            self.step()
-            self.publish()
             self.periodic()
+            self.publish()
         self._leave()
 
     def _done(self) -> bool:
@@ -237,8 +254,9 @@ class Worker:
             self.on_step(view, outputs)
 
     def publish(self) -> None:
-        """One pipeline: every outbox (tokens, statuses, finishes), new cancellations and,
-        while busy, new jobs up to the room left once this pipeline's finishes are acked."""
+        """Send one pipeline: every outbox (tokens, statuses, finishes), new cancellations
+        and, while busy, new jobs up to the room left once this pipeline's finishes are
+        acked. It runs while the next step computes; ``settle`` applies its replies."""
         if not self.backoff.ready():
             return
         extras: list[Piggyback] = [self.cancels]
@@ -248,10 +266,31 @@ class Worker:
             self.intake_reader.count = room
             extras.append(self.intake_reader)
         try:
-            result = self.publisher.flush(self.jobs.values(), extras=extras)
+            prepared = self.publisher.prepare(self.jobs.values(), extras=extras)
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="publishing")
             return
+        if isinstance(prepared, FlushResult):
+            self._apply(prepared)
+            return
+        self._in_flight = (prepared, self._publishing.submit(prepared.execute))
+
+    def settle(self) -> None:
+        """Wait for the pipeline in flight, if any, and apply what Redis confirmed."""
+        if self._in_flight is None:
+            return
+        flush, replies = self._in_flight
+        self._in_flight = None
+        try:
+            result = self.publisher.settle(flush, replies.result())
+        except REDIS_DOWN as exc:
+            self.backoff.failed(exc, doing="publishing")
+            return
+        self._apply(result)
+
+    def _apply(self, result: FlushResult) -> None:
+        """Act on a flush's result: finished jobs leave, lost ones are dropped, ones whose
+        stream Redis lost are picked up again, and a refusal backs off."""
         if result.refused is None:
             self.backoff.succeeded()
         for job in result.finished:
@@ -476,6 +515,8 @@ class Worker:
 
     def _leave(self) -> None:
         """Hand back unfinished jobs (pending, checkpointed), store what is generated."""
+        self.settle()
+        self._publishing.shutdown()
         unfinished = [job for job in self.jobs.values() if job.in_engine]
         for job in unfinished:
             self._out_of_engine(job)

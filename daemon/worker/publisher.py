@@ -11,6 +11,13 @@ the unsent events and status in the outbox, in order, for the next flush, and
 is reported so that the worker backs off. Only a job a later pickup owns
 (``lost``) or one whose stream does not end where the job believes
 (``reconcile``: Redis lost writes, or another daemon wrote) leaves the outbox.
+
+A flush comes in three parts so that its round trip can overlap the next
+engine step: :meth:`Publisher.prepare` builds the pipeline from the outboxes
+and remembers exactly what it sends, :meth:`Flush.execute` runs it (on any
+thread: it touches no job), and :meth:`Publisher.settle` applies the replies.
+Between prepare and settle the step may append to an outbox; settle only ever
+removes the events and status fields that this flush sent.
 """
 
 from __future__ import annotations
@@ -68,6 +75,31 @@ class FlushResult:
     published_events: int = 0
 
 
+@dataclass(frozen=True)
+class Sent:
+    """What one flush sent of a job's outbox: its first events and its status fields."""
+
+    job: Job
+    events: list[Event]
+    status: dict[str, str]
+
+
+@dataclass
+class Flush:
+    """One pipeline built from the outboxes, to execute and then settle."""
+
+    pipe: Pipeline
+    writing: list[Sent]
+    finishing: list[tuple[Job, int]]  # each job and how many commands finish it
+    extras: Sequence[Piggyback]
+
+    def execute(self) -> list[Any]:
+        """Run the pipeline: its replies, error replies included as values. Raises redis
+        ConnectionError/TimeoutError when Redis is away."""
+        replies: list[Any] = self.pipe.execute(raise_on_error=False)
+        return replies
+
+
 class Publisher:
     """Writes outboxes to Redis; raises redis ConnectionError/TimeoutError when Redis is away
     (the outboxes are then untouched and the next flush sends them again)."""
@@ -84,40 +116,52 @@ class Publisher:
     def flush(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> FlushResult:
         """Send every outbox of ``jobs`` and the ``extras`` in one round trip; what Redis
         confirmed leaves the outboxes, the rest is sent again by the next flush."""
+        prepared = self.prepare(jobs, extras)
+        if isinstance(prepared, FlushResult):
+            return prepared
+        return self.settle(prepared, prepared.execute())
+
+    def prepare(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> Flush | FlushResult:
+        """The pipeline of a flush; or the result of one that sends nothing (nothing to
+        write, or Redis refused the append script)."""
         writing = [job for job in jobs if job.unpublished or job.status]
         finishing = [job for job in jobs if job.stored_final]
-        result = FlushResult()
         if not writing and not finishing and not extras:
-            return result
+            return FlushResult()
         if not self._loaded:
             try:
                 self.fence.load(self.redis)
             except redis.ResponseError as exc:  # e.g. NOPERM: keep everything, back off
-                result.refused = f"loading the append script: {exc}"
-                return result
+                return FlushResult(refused=f"loading the append script: {exc}")
             self._loaded = True
         pipe = self.redis.pipeline(transaction=False)
+        sent = []
         for job in writing:
             try:
                 self.fence.queue(pipe, job)
             except Exception as exc:  # e.g. an event the encoder refuses: this job alone
                 job.fail("encoding its events", exc)
                 self.fence.queue(pipe, job)
-        finish_sizes = [self._queue_finish(pipe, job) for job in finishing]
+            sent.append(Sent(job, list(job.unpublished), dict(job.status)))
+        sizes = [(job, self._queue_finish(pipe, job)) for job in finishing]
         for extra in extras:
             extra.queue(pipe)
         if finishing:
             crashpoint.reached("after_status")
-        replies = pipe.execute(raise_on_error=False)
-        for job, raw in zip(writing, replies, strict=False):
-            self._settle(job, Reply.parse(raw), result)
-        at = len(writing)
-        for job, size in zip(finishing, finish_sizes, strict=True):
+        return Flush(pipe, sent, sizes, extras)
+
+    def settle(self, flush: Flush, replies: list[Any]) -> FlushResult:
+        """Apply the replies of ``flush``: confirmed events and status leave the outboxes."""
+        result = FlushResult()
+        for sent, raw in zip(flush.writing, replies, strict=False):
+            self._settle(sent, Reply.parse(raw), result)
+        at = len(flush.writing)
+        for job, size in flush.finishing:
             self._settle_finish(job, replies[at : at + size], result)
             at += size
-        for extra, reply in zip(extras, replies[at:], strict=True):
+        for extra, reply in zip(flush.extras, replies[at:], strict=True):
             extra.handle(reply)
-        if any(job.stored_final for job in writing):
+        if any(sent.job.stored_final for sent in flush.writing):
             crashpoint.reached("after_final_event")
         return result
 
@@ -146,7 +190,8 @@ class Publisher:
             pipe.xack(queue, CONSUMER_GROUP, entry)
         return size + 1
 
-    def _settle(self, job: Job, reply: Reply, out: FlushResult) -> None:
+    def _settle(self, sent: Sent, reply: Reply, out: FlushResult) -> None:
+        job = sent.job
         if reply.outcome is Outcome.lost:
             if job.dead_letter and job.epoch == CREATE_ONLY:
                 job.leave_untouched()  # the named job appeared since pickup read its keys
@@ -154,14 +199,18 @@ class Publisher:
                 out.lost.append(job)
             return
         if reply.outcome is Outcome.tip:
-            if not self._confirm_resent(job, reply.count):
+            if not self._confirm_resent(sent, reply.count):
                 out.reconcile.append(job)
             return
-        self._confirm(job, reply.count, out)
+        if not self._confirm(sent, reply.count, out):
+            out.reconcile.append(job)
+            return
         if job.epoch == CREATE_ONLY and reply.count > 0:
             job.epoch = 1  # the keys are this append's now: a retry continues them
         if reply.outcome is Outcome.stored:
-            job.status.clear()
+            for name, value in sent.status.items():
+                if job.status.get(name) == value:  # not set again since it was sent
+                    del job.status[name]
         else:
             if reply.noscript:
                 self._loaded = False
@@ -183,30 +232,38 @@ class Publisher:
             )
         out.finished.append(job)
 
-    def _confirm(self, job: Job, count: int, out: FlushResult) -> None:
-        """The first ``count`` outbox events are stored."""
+    def _confirm(self, sent: Sent, count: int, out: FlushResult) -> bool:
+        """The first ``count`` events sent are stored: they leave the outbox. False when the
+        outbox no longer starts with them (it was rewritten since), which only a fresh
+        start from what the stream holds can reconcile."""
+        job = sent.job
+        stored = sent.events[:count]
+        if len(job.unpublished) < count or any(
+            a is not b for a, b in zip(job.unpublished, stored, strict=False)
+        ):
+            return False
         del job.unpublished[:count]
         job.stored_events += count
         out.published_events += count
+        return True
 
-    def _confirm_resent(self, job: Job, stored: int) -> bool:
+    def _confirm_resent(self, sent: Sent, stored: int) -> bool:
         """The stream holds more than the job believed: true when the extra events are
-        this outbox's own (a step whose reply was lost), which are then confirmed."""
+        this flush's own (a step whose reply was lost), which are then confirmed."""
+        job = sent.job
         extra = stored - job.stored_events
-        if extra <= 0 or extra > len(job.unpublished):
+        if extra <= 0 or extra > len(sent.events):
             return False
         entries: Any = self.redis.xrange(
             self.keys.events(job.job_id), event_id(job.stored_events), event_id(stored - 1)
         )
         found = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in entries]
-        ours = job.unpublished[:extra]
+        ours = sent.events[:extra]
         if [(e.seq, e.token_id, e.final) for e in found] != [
             (e.seq, e.token_id, e.final) for e in ours
         ]:
             return False
-        del job.unpublished[:extra]
-        job.stored_events = stored
-        return True
+        return self._confirm(sent, extra, FlushResult())
 
 
 def _payload_excerpt(job: Job) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from daemon.worker.fence import CREATE_ONLY
 from daemon.worker.jobs import Delivery, Job
-from daemon.worker.publisher import Publisher
+from daemon.worker.publisher import FlushResult, Publisher
 from producers.keys import CONSUMER_GROUP, EVENT_FIELD, Keys, event_id
 from producers.schema import Event, FinishReason
 from support.daemon_harness import (
@@ -67,6 +67,46 @@ def test_a_later_pickup_fences_off_the_earlier_owner(redis_server: RedisServer) 
     old.add_token(7, "c")
     assert Publisher(client, KEYS, owner="a", result_ttl_s=60).flush([old]).lost == [old]
     assert [e.token_id for e in events_of(client, KEYS, "fenced")] == [5, 6]
+
+
+def test_a_step_between_sending_and_settling_keeps_what_it_added(
+    redis_server: RedisServer,
+) -> None:
+    """The pipeline of one step is in flight while the next step adds to the outbox:
+    settling removes exactly what was sent, the new events and status stay queued."""
+    client = redis_server.client()
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
+    job = _job("overlap")
+    job.add_token(5, "a")
+    job.set_status(state="running", note="first")
+    flush = publisher.prepare([job])
+    assert not isinstance(flush, FlushResult)
+    replies = flush.execute()
+    job.add_token(6, "b")  # the next step, while the replies are on their way
+    job.set_status(note="second")
+    result = publisher.settle(flush, replies)
+    assert result.published_events == 1 and result.reconcile == []
+    assert [e.token_id for e in job.unpublished] == [6] and job.stored_events == 1
+    assert job.status == {"note": "second"}  # "state" was stored, "note" changed since
+    assert publisher.flush([job]).published_events == 1
+    assert [e.token_id for e in events_of(client, KEYS, "overlap")] == [5, 6]
+    assert client.hget(KEYS.job("overlap"), "note") == b"second"
+
+
+def test_an_outbox_rewritten_while_its_pipeline_was_in_flight_starts_over(
+    redis_server: RedisServer,
+) -> None:
+    client = redis_server.client()
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
+    job = _job("rewritten")
+    job.add_token(5, "a")
+    flush = publisher.prepare([job])
+    assert not isinstance(flush, FlushResult)
+    replies = flush.execute()
+    job.unpublished = [Event(seq=0, token_id=8)]  # no longer the events that were sent
+    result = publisher.settle(flush, replies)
+    assert result.reconcile == [job] and result.published_events == 0
+    assert [e.token_id for e in events_of(client, KEYS, "rewritten")] == [5]
 
 
 def test_final_event_status_and_ack_in_that_order(redis_server: RedisServer) -> None:

@@ -256,3 +256,29 @@ def test_a_busy_step_costs_one_round_trip(redis_server: RedisServer) -> None:
     # One pipeline per step; pickups, acks and idle reads add a handful, not one per step.
     assert counts["steps"] >= 60
     assert counts["round_trips"] <= counts["steps"] + 25, counts
+
+
+def test_a_step_runs_while_the_last_steps_pipeline_is_in_flight(
+    redis_server: RedisServer,
+) -> None:
+    """The publish round trip overlaps the next step, and every token still arrives once,
+    in order."""
+    client = redis_server.client()
+    overlapped: list[bool] = []
+    ids = [f"ov{i}" for i in range(3)]
+    with worker_thread(
+        fast_settings(redis_server.url), lambda: FakeGenerator(step_delay_s=0.002)
+    ) as worker:
+        step = worker.gen.step
+
+        def observed_step() -> Any:
+            overlapped.append(worker.pipeline_in_flight)
+            return step()
+
+        worker.gen.step = observed_step  # type: ignore[method-assign]
+        for job_id in ids:
+            enqueue(client, KEYS, {"id": job_id, "prompt": job_id, "max_tokens": 40})
+        events = wait_final(client, KEYS, ids, timeout=20)
+    assert len(overlapped) >= 40 and sum(overlapped) >= len(overlapped) - 3, overlapped
+    for job_id in ids:
+        assert token_ids(events[job_id]) == expected_fake_tokens(_prompt_ids(job_id), None, 40)
