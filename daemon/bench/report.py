@@ -133,12 +133,14 @@ def _steps_line(steps: dict[str, Any]) -> str:
 def _queue_line(q: dict[str, Any]) -> str:
     if not q.get("available"):
         return f"Queue: {q['reason']}."
+    shown = q["queue"]["tok_s"] / q["reference_tok_s"] if q["reference_tok_s"] else 0.0
     return (
-        f"Queue: {q['queue']['tok_s']:.1f} tok/s through Redis vs "
-        f"{q['reference_tok_s']:.1f} in-process (mean of {q['in_process']['tok_s']:.1f} before "
-        f"and {q['in_process_after']['tok_s']:.1f} after): {q['ratio']:.2f}x. The client "
-        f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of the "
-        f"{q['queue']['wall_s']:.1f} s run." + _queue_rounds(q)
+        f"Queue: {q['ratio']:.2f}x in-process{_queue_rounds(q)} The round nearest it: "
+        f"{q['queue']['tok_s']:.1f} tok/s through Redis vs {q['reference_tok_s']:.1f} "
+        f"in-process (mean of {q['in_process']['tok_s']:.1f} before and "
+        f"{q['in_process_after']['tok_s']:.1f} after), {shown:.2f}x. The client "
+        f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of that "
+        f"{q['queue']['wall_s']:.1f} s run."
     )
 
 
@@ -146,11 +148,12 @@ def _queue_rounds(q: dict[str, Any]) -> str:
     """The alternating rounds behind the ratio (see daemon.bench.queue)."""
     rounds = q.get("rounds", [])
     if len(rounds) < 2:
-        return ""
+        return "."
     each = ", ".join(f"{r['ratio']:.2f}x" for r in rounds)
     return (
-        f" Rounds (in-process and queue runs alternating, each queue run over the mean of its"
-        f" neighbours): {each}; median {q['ratio']:.2f}x, best-of {q['best_of_ratio']:.2f}x."
+        f", the median of {len(rounds)} rounds (in-process and queue runs alternating, each"
+        f" queue run over the mean of its neighbours): {each}; best-of"
+        f" {q['best_of_ratio']:.2f}x."
     )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from daemon.bench.limit import ModelFlops
+from daemon.bench.queue import _compare
+from daemon.bench.report import _queue_line
 from daemon.bench.stats import Recorder, step_profile
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.models.model_fixture import PRESETS
@@ -104,3 +106,17 @@ def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
     assert profile["step_p50_s"] == profile["step_p99_s"] == 0.010
     assert profile["decode_only_p99_s"] == 0.010
     assert profile["with_prefill_p50_s"] == 0.030
+
+
+def test_queue_line_gives_the_median_and_the_shown_rounds_own_ratio() -> None:
+    queued = [
+        {"tok_s": tok_s, "ttft_p50_s": 1.0, "subscriber_cpu_s": 0.5, "wall_s": 60.0}
+        for tok_s in (68.8, 80.0, 73.0)
+    ]
+    in_process = [{"tok_s": tok_s, "ttft_p50_s": 1.0} for tok_s in (73.0, 77.0, 72.5, 75.0)]
+    line = _queue_line(_compare(queued, in_process, requests=32))
+    # Rounds 68.8 / 75.0, 80.0 / 74.75 and 73.0 / 73.75: the third is the median.
+    assert line.startswith("Queue: 0.99x in-process, the median of 3 rounds"), line
+    assert ": 0.92x, 1.07x, 0.99x;" in line
+    shown = "73.0 tok/s through Redis vs 73.8 in-process (mean of 72.5 before and 75.0 after)"
+    assert f"{shown}, 0.99x." in line
