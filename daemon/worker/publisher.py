@@ -202,9 +202,10 @@ class Publisher:
             if not self._confirm_resent(sent, reply.count):
                 out.reconcile.append(job)
             return
-        if not self._confirm(sent, reply.count, out):
+        if not self._confirm(sent, reply.count):
             out.reconcile.append(job)
             return
+        out.published_events += reply.count
         if job.epoch == CREATE_ONLY and reply.count > 0:
             job.epoch = 1  # the keys are this append's now: a retry continues them
         if reply.outcome is Outcome.stored:
@@ -232,7 +233,7 @@ class Publisher:
             )
         out.finished.append(job)
 
-    def _confirm(self, sent: Sent, count: int, out: FlushResult) -> bool:
+    def _confirm(self, sent: Sent, count: int) -> bool:
         """The first ``count`` events sent are stored: they leave the outbox. False when the
         outbox no longer starts with them (it was rewritten since), which only a fresh
         start from what the stream holds can reconcile."""
@@ -244,7 +245,6 @@ class Publisher:
             return False
         del job.unpublished[:count]
         job.stored_events += count
-        out.published_events += count
         return True
 
     def _confirm_resent(self, sent: Sent, stored: int) -> bool:
@@ -263,7 +263,7 @@ class Publisher:
             (e.seq, e.token_id, e.final) for e in ours
         ]:
             return False
-        return self._confirm(sent, extra, FlushResult())
+        return self._confirm(sent, extra)
 
 
 def _payload_excerpt(job: Job) -> bytes:
