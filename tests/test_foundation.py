@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import redis
 
 from config import SettingsError, load_settings
-from engine.blas import SKYLAKEX_FLAGS, cpu_flags, kernel_choice
+from engine.blas import SKYLAKEX_FLAGS, cpu_flags, cpu_model, kernel_choice
 from support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,9 +162,24 @@ def test_openblas_preload_takes_effect() -> None:
 
 
 def test_kernel_choice_asks_for_avx512_kernels_only_where_the_cpu_has_them() -> None:
-    assert kernel_choice(SKYLAKEX_FLAGS | {"fma", "avx2"}) == "SkylakeX"
+    avx512 = SKYLAKEX_FLAGS | {"fma", "avx2"}
+    assert kernel_choice(avx512) == "SkylakeX"
+    assert kernel_choice(avx512, ("GenuineIntel", 6)) == "SkylakeX"
+    assert kernel_choice(avx512, ("AuthenticAMD", 26)) == "SkylakeX"  # Zen 5: full-width units
     assert kernel_choice(frozenset({"fma", "avx2", "avx512f"})) is None
+    assert kernel_choice(frozenset({"fma", "avx2"}), ("AuthenticAMD", 25)) is None  # Zen 3
     assert kernel_choice(frozenset()) is None
+
+
+def test_kernel_choice_takes_avx2_kernels_on_zen4s_half_width_avx512() -> None:
+    assert kernel_choice(SKYLAKEX_FLAGS | {"fma", "avx2"}, ("AuthenticAMD", 25)) == "Haswell"
+
+
+def test_cpu_model_reads_this_machines_vendor_and_family() -> None:
+    vendor, family = cpu_model()
+    if sys.platform.startswith("linux") and platform.machine() == "x86_64":
+        assert vendor in {"GenuineIntel", "AuthenticAMD"}, vendor
+        assert family > 0
 
 
 _CORE = """
@@ -176,9 +192,12 @@ print(loaded_core(), os.environ.get("OPENBLAS_CORETYPE"))
 @pytest.mark.skipif(
     not SKYLAKEX_FLAGS <= cpu_flags(), reason="the CPU lacks the AVX-512 subsets SkylakeX needs"
 )
-def test_openblas_runs_avx512_kernels_where_the_cpu_has_them() -> None:
+def test_openblas_runs_the_chosen_kernels_where_the_cpu_has_avx512() -> None:
     """A CPU newer than the OpenBLAS build made it fall back to SSE3 kernels (5x slower)."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    assert _python_prints(_CORE, env) == ["SkylakeX", "SkylakeX"]
-    chosen = {**env, "OPENBLAS_CORETYPE": "Haswell"}
-    assert _python_prints(_CORE, chosen) == ["Haswell", "Haswell"]  # the user's choice stands
+    expected = kernel_choice(cpu_flags(), cpu_model())
+    assert expected in {"SkylakeX", "Haswell"}
+    assert _python_prints(_CORE, env) == [expected, expected]
+    other = "SkylakeX" if expected == "Haswell" else "Haswell"
+    chosen = {**env, "OPENBLAS_CORETYPE": other}
+    assert _python_prints(_CORE, chosen) == [other, other]  # the user's choice stands

@@ -51,8 +51,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Model `{s['model_label']}` ({s['dtype']}), max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, {bound}"
         f"scale {s['scale']}.",
-        f"Machine: {m['platform']}, {m['cpu_count']} CPUs, mlx {m['mlx']} ({m['device']}), "
-        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
+        f"Machine: {m['platform']}, {_cpu(m)}{m['cpu_count']} CPUs, "
+        f"mlx {m['mlx']} ({m['device']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
         f"matmul {limit['matmul_gflops']} GFLOP/s.",
     ]
     throughput = _throughput_results(report)
@@ -218,6 +218,11 @@ def _ttft_panel(ax: Any, report: dict[str, Any]) -> None:
     ax.set_title(f"TTFT distribution ({source})")
     if systems:
         ax.legend(fontsize="small")
+
+
+def _cpu(machine: dict[str, Any]) -> str:
+    cpu = machine.get("cpu")
+    return f"{cpu}, " if cpu else ""
 
 
 def _kernels(machine: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ from daemon.bench.workloads import (
     mixed,
     shared_prefix,
 )
-from engine.blas import loaded_core, loaded_openblas
+from engine.blas import cpu_description, loaded_core, loaded_openblas
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
 # The systems of each throughput workload. Static batching runs on mixed only: its
@@ -90,6 +90,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu": cpu_description(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "mlx": metadata.version("mlx"),

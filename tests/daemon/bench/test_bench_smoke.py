@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,8 @@ def test_settings_and_machine_are_recorded(bench_run: BenchRun) -> None:
     assert "--online-max-prefill-tokens 64" in report["settings"]["command"]
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["mlx"] and machine["blas"]
+    if sys.platform.startswith("linux"):
+        assert machine["cpu"] and machine["cpu"] in (bench_run.out / "report.md").read_text()
     assert report["limit"]["matmul_gflops"] > 0
     for name in ("mixed", "shared-prefix"):
         assert report["workloads"][name]["limit"]["matmul_gflops"] > 0
