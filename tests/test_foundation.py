@@ -189,6 +189,21 @@ print(loaded_core(), os.environ.get("OPENBLAS_CORETYPE"))
 """
 
 
+_TIMEOUT = """
+import os, engine
+from engine.blas import loaded_openblas
+print(loaded_openblas() is not None, os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux")
+def test_openblas_workers_sleep_between_products_unless_the_user_says_otherwise() -> None:
+    """Set before the library loads (it reads the variable once): idle workers sleep at once."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    assert _python_prints(_TIMEOUT, env) == ["True", "4"]
+    assert _python_prints(_TIMEOUT, {**env, "OPENBLAS_THREAD_TIMEOUT": "20"}) == ["True", "20"]
+
+
 @pytest.mark.skipif(
     not SKYLAKEX_FLAGS <= cpu_flags(), reason="the CPU lacks the AVX-512 subsets SkylakeX needs"
 )
