@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -110,8 +111,9 @@ def preload_openblas() -> str | None:
     return None
 
 
+@functools.cache
 def _first_cpu() -> dict[str, str]:
-    """The fields /proc/cpuinfo lists for the first CPU (empty elsewhere)."""
+    """The fields /proc/cpuinfo lists for the first CPU (empty elsewhere); read once."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as info:

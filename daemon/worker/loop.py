@@ -60,8 +60,8 @@ EXIT_STALLED = 70
 # step: a short step is mostly Python, which holds the GIL, so the publishing thread would
 # wait up to Python's switch interval (5 ms) for it, twice, to hide a ~2 ms round trip.
 # Measured on 2 cores with 8-token jobs on the tiny model (3.4 ms steps): overlapping them
-# cut the daemon's requests/s by ~20%; on bench-small (30-60 ms steps) it raised its
-# throughput through Redis by ~6%.
+# cut the daemon's requests/s by ~20%; on bench-small (20-60 ms steps) it raised its
+# throughput through Redis by 9% (median of ten alternating pairs, see README).
 OVERLAP_MIN_STEP_S = 0.010
 
 StepObserver = Callable[[StepView | None, list[TokenOut]], None]
@@ -237,7 +237,7 @@ class Worker:
         self.last_step_s = time.monotonic() - began
         view = self.gen.last_step()
         self.meter.step(view, len(outputs))
-        self.ops.stepped(StepDone(view, outputs, time.monotonic() - began, self.jobs))
+        self.ops.stepped(StepDone(view, outputs, self.last_step_s, self.jobs))
         crashpoint.reached("prefill" if view is not None and view.prefills else "decode")
         for out in outputs:
             job = self.jobs.get(out.job_id)

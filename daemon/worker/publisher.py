@@ -239,8 +239,10 @@ class Publisher:
         start from what the stream holds can reconcile."""
         job = sent.job
         stored = sent.events[:count]
-        if len(job.unpublished) < count or any(
-            a is not b for a, b in zip(job.unpublished, stored, strict=False)
+        if (
+            len(stored) < count
+            or len(job.unpublished) < count
+            or any(a is not b for a, b in zip(job.unpublished, stored, strict=False))
         ):
             return False
         del job.unpublished[:count]
