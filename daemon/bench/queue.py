@@ -11,12 +11,18 @@ pool included), a fresh engine warmed up on the same warm-up requests, model
 loading outside the timing, the clock running from the first request's
 arrival (its submit, for the queue) to the last output token (as the
 subscriber receives it). A shared machine's load drifts by ~10% over
-minutes, so the runs alternate: in-process, queue, in-process, ... for
-``rounds`` queue runs; each queue run is divided by the mean of the two
-in-process runs around it, and the reported ratio is the median of those
-(best-of, the fastest queue run over the fastest in-process run, is reported
-too). Every queue round starts a fresh daemon under its own key prefix,
-deleted afterwards, so no prefix cache carries over from a previous round.
+minutes, and a noisy neighbour moves one 10-second run by as much, so the
+runs alternate: in-process, queue, in-process, ...; each queue run is divided
+by the mean of the two in-process runs around it, and the reported ratio is
+the median of those (best-of, the fastest queue run over the fastest
+in-process run, is reported too). Rounds go on until at least MIN_ROUNDS
+have run and the rounds have taken ROUNDS_BUDGET_S, at most MAX_ROUNDS: a
+model whose run takes 10 s (bench-small) gets a median of ~6, one whose run
+takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead).
+Every queue round starts a fresh daemon under its own key prefix, deleted
+afterwards, so no prefix cache carries over from a previous round. Besides
+the client's CPU time, each queue run records what Redis spent (``INFO
+cpu``): the two processes that share the machine with the daemon.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ _QUEUE = "bench"
 _PREFIX = "batchd-bench"
 _START_TIMEOUT_S = 180.0
 _STOP_TIMEOUT_S = 30.0
-ROUNDS = 2
+MIN_ROUNDS = 3
+MAX_ROUNDS = 9
+ROUNDS_BUDGET_S = 150.0
 METHOD = (
     "in-process and queue runs alternate; each queue run over the mean of the in-process "
     "runs before and after it; ratio = median over rounds"
@@ -78,9 +86,10 @@ def run_queue(
     *,
     redis_url: str,
     progress: Progress,
-    rounds: int = ROUNDS,
+    rounds: int | None = None,
 ) -> dict[str, Any]:
-    """In-process and through Redis, alternating (see the module doc); the ratios."""
+    """In-process and through Redis, alternating (see the module doc); the ratios.
+    ``rounds`` None: as many as the time budget allows (MIN_ROUNDS..MAX_ROUNDS)."""
     reason = daemon_unavailable(redis_url)
     in_process: list[RunStats] = []
     if reason is None:
@@ -92,19 +101,30 @@ def run_queue(
         progress.say(f"queue: {reason}")
         return {"available": False, "reason": reason}
     queued: list[dict[str, Any]] = []
-    for round_ in range(rounds):
+    began = time.monotonic()
+    while _another_round(len(queued), time.monotonic() - began, rounds):
         try:
             stats, cpu = _run_through_daemon(
-                systems, workload, redis_url, progress, prefix=f"{_PREFIX}-{os.getpid()}-{round_}"
+                systems,
+                workload,
+                redis_url,
+                progress,
+                prefix=f"{_PREFIX}-{os.getpid()}-{len(queued)}",
             )
         except QueueUnavailable as exc:
             progress.say(f"queue: {exc}")
             return {"available": False, "reason": str(exc)}
-        queued.append({**stats.summary(), "subscriber_cpu_s": round(cpu, 3)})
+        queued.append({**stats.summary(), **cpu})
         in_process.append(systems.offline(BATCHD, workload))
     return _compare(
         queued, [stats.summary() for stats in in_process], requests=len(workload.requests)
     )
+
+
+def _another_round(done: int, elapsed_s: float, rounds: int | None) -> bool:
+    if rounds is not None:
+        return done < rounds
+    return done < MIN_ROUNDS or (elapsed_s < ROUNDS_BUDGET_S and done < MAX_ROUNDS)
 
 
 def _compare(
@@ -134,6 +154,7 @@ def _compare(
                 "in_process_after_tok_s": in_process[i + 1]["tok_s"],
                 "ratio": round(ratio, 3),
                 "subscriber_cpu_s": queued[i]["subscriber_cpu_s"],
+                "redis_cpu_s": queued[i]["redis_cpu_s"],
             }
             for i, ratio in enumerate(ratios)
         ],
@@ -174,8 +195,9 @@ def _daemon_env(
 
 def _run_through_daemon(
     systems: Systems, workload: Workload, redis_url: str, progress: Progress, *, prefix: str
-) -> tuple[RunStats, float]:
-    """The workload through a fresh daemon; its stats and the client's CPU seconds."""
+) -> tuple[RunStats, dict[str, float]]:
+    """The workload through a fresh daemon; its stats, the client's and Redis's CPU
+    seconds."""
     env = _daemon_env(systems, workload, redis_url, prefix)
     command = [sys.executable, "-m", "daemon.cli", "serve"]
     command += ["--model", str(systems.settings.model_path), "--queue", _QUEUE]
@@ -193,16 +215,22 @@ def _run_through_daemon(
             _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
             progress.phase(f"{workload.name} / batchd through Redis")
             recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
-            cpu = time.process_time()
+            # The submitting and following client and Redis share the machine with the daemon.
+            cpu, server = time.process_time(), _redis_cpu_s(conn)
             stats = _submit_and_follow(client, workload, recorder)
-            # The submitting and following client shares the machine with the daemon.
-            cpu = time.process_time() - cpu
+            cpu, server = time.process_time() - cpu, _redis_cpu_s(conn) - server
             client.close()
         finally:
             _stop(daemon)
             _delete_prefix(conn, prefix)
             conn.close()
-    return stats, cpu
+    return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": round(server, 3)}
+
+
+def _redis_cpu_s(conn: redis.Redis) -> float:
+    """CPU seconds the Redis server has used since it started (all its threads)."""
+    info = conn.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def _wait_ready(conn: redis.Redis, prefix: str, daemon: subprocess.Popen[bytes], log: Path) -> None:

@@ -140,8 +140,14 @@ def _queue_line(q: dict[str, Any]) -> str:
         f"in-process (mean of {q['in_process']['tok_s']:.1f} before and "
         f"{q['in_process_after']['tok_s']:.1f} after), {shown:.2f}x. The client "
         f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of that "
-        f"{q['queue']['wall_s']:.1f} s run."
+        f"{q['queue']['wall_s']:.1f} s run{_redis_cpu(q['queue'])}."
     )
+
+
+def _redis_cpu(run: dict[str, Any]) -> str:
+    # Reports written before Redis's CPU time was recorded have none.
+    cpu = run.get("redis_cpu_s")
+    return "" if cpu is None else f", Redis {cpu:.2f} CPU-s"
 
 
 def _queue_rounds(q: dict[str, Any]) -> str:

@@ -75,6 +75,7 @@ class BenchOptions:
     online_max_prefill_tokens_with_decodes: int | None = ONLINE_MAX_PREFILL_TOKENS
     sweep_bounds: tuple[int | None, ...] = DEFAULT_BOUNDS
     sweep_rounds: int = DEFAULT_ROUNDS
+    queue_rounds: int | None = None  # None: as many as daemon.bench.queue's time budget allows
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -137,6 +138,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "online_load": options.online_load,
             "sweep_bounds": list(options.sweep_bounds),
             "sweep_rounds": options.sweep_rounds,
+            "queue_rounds": options.queue_rounds,
             "command": options.command,
         },
         "machine": machine_info(),
@@ -174,7 +176,11 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
         )
     if "queue" in options.workloads:
         results["queue"] = queue.run_queue(
-            systems, short_mixed, redis_url=options.redis_url, progress=progress
+            systems,
+            short_mixed,
+            redis_url=options.redis_url,
+            progress=progress,
+            rounds=options.queue_rounds,
         )
     report["headline"] = headline(report)
     return report

@@ -69,27 +69,45 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--sweep-rounds",
-        type=int,
+        type=_positive,
         default=None,
         metavar="N",
         help="online-sweep: rounds of every setting, in reverse order every other round "
         "(default: 2)",
+    )
+    p.add_argument(
+        "--queue-rounds",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="queue: alternating rounds (a queue run between two in-process runs) behind the "
+        "median ratio (default: at least 3, more while the rounds have taken under 150 s, "
+        "at most 9)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
     p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
 
 
-def _prefill_bound(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
+def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or none, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _prefill_bound(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or none, got {text!r}"
+        ) from None
 
 
 def _bounds(text: str) -> tuple[int | None, ...]:
@@ -157,6 +175,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         online_max_prefill_tokens_with_decodes=online_bound,
         sweep_bounds=args.sweep_bounds or DEFAULT_BOUNDS,
         sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
+        queue_rounds=args.queue_rounds,
         command=(
             f"batchd bench --workload {args.workload} "
             + (f"--model {args.model}" if args.model else f"--preset {label}")
@@ -164,6 +183,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             + f" --max-num-seqs {max_num_seqs} --seed {args.seed}"
             + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
             + _sweep_options(args)
+            + (f" --queue-rounds {args.queue_rounds}" if args.queue_rounds else "")
         ),
     )
     report = run_bench(options, Progress())

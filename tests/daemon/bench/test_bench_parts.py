@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from daemon.bench.limit import ModelFlops
-from daemon.bench.queue import _compare
+from daemon.bench.queue import (
+    MAX_ROUNDS,
+    MIN_ROUNDS,
+    ROUNDS_BUDGET_S,
+    _another_round,
+    _compare,
+)
 from daemon.bench.report import _queue_line
 from daemon.bench.stats import Recorder, step_profile
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
@@ -110,7 +116,13 @@ def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
 
 def test_queue_line_gives_the_median_and_the_shown_rounds_own_ratio() -> None:
     queued = [
-        {"tok_s": tok_s, "ttft_p50_s": 1.0, "subscriber_cpu_s": 0.5, "wall_s": 60.0}
+        {
+            "tok_s": tok_s,
+            "ttft_p50_s": 1.0,
+            "subscriber_cpu_s": 0.5,
+            "redis_cpu_s": 0.4,
+            "wall_s": 60.0,
+        }
         for tok_s in (68.8, 80.0, 73.0)
     ]
     in_process = [{"tok_s": tok_s, "ttft_p50_s": 1.0} for tok_s in (73.0, 77.0, 72.5, 75.0)]
@@ -120,3 +132,16 @@ def test_queue_line_gives_the_median_and_the_shown_rounds_own_ratio() -> None:
     assert ": 0.92x, 1.07x, 0.99x;" in line
     shown = "73.0 tok/s through Redis vs 73.8 in-process (mean of 72.5 before and 75.0 after)"
     assert f"{shown}, 0.99x." in line
+    assert line.endswith("used 0.50 CPU-s of that 60.0 s run, Redis 0.40 CPU-s."), line
+
+
+def test_queue_rounds_run_to_the_time_budget_within_their_bounds() -> None:
+    # Short runs: rounds go on while the budget lasts, never past MAX_ROUNDS.
+    assert _another_round(MIN_ROUNDS, ROUNDS_BUDGET_S - 1, None)
+    assert not _another_round(MAX_ROUNDS, 0.0, None)
+    # Long runs: MIN_ROUNDS even past the budget, then no more.
+    assert _another_round(MIN_ROUNDS - 1, ROUNDS_BUDGET_S * 3, None)
+    assert not _another_round(MIN_ROUNDS, ROUNDS_BUDGET_S, None)
+    # A count asked for is run exactly, whatever the time.
+    assert _another_round(1, ROUNDS_BUDGET_S * 3, 2)
+    assert not _another_round(2, 0.0, 2)

@@ -52,7 +52,7 @@ def bench_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         bench_cmd.register(parser.add_subparsers())
         args = parser.parse_args(
             ["bench", "--model", str(tiny_model), "--scale", "tiny", "--max-num-seqs", "4"]
-            + ["--out", str(out)]
+            + ["--queue-rounds", "2", "--out", str(out)]
         )
         with contextlib.redirect_stdout(stdout):
             assert args.func(args, load_settings(redis_url=server.url)) == 0
@@ -66,6 +66,7 @@ def test_settings_and_machine_are_recorded(bench_run: BenchRun) -> None:
     assert report["settings"]["max_num_seqs"] == 4
     assert report["settings"]["scale"] == "tiny"
     assert report["settings"]["command"].startswith("batchd bench --workload all --model ")
+    assert report["settings"]["command"].endswith(" --queue-rounds 2")
     # Online runs batchd with the latency setting; the throughput workloads with the engine's.
     assert report["settings"]["online_max_prefill_tokens_with_decodes"] == 64
     assert report["settings"]["max_prefill_tokens_with_decodes"] is None
@@ -124,6 +125,9 @@ def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> 
     assert queue["available"], queue.get("reason")
     assert queue["ratio"] > 0 and queue["reference_tok_s"] > 0
     assert queue["queue"]["subscriber_cpu_s"] >= 0
+    # Every token went through Redis's scripts: its CPU time shows them.
+    assert queue["queue"]["redis_cpu_s"] > 0
+    assert len(queue["rounds"]) == 2  # as --queue-rounds asked
     for key in ("queue", "in_process", "in_process_after"):
         assert queue[key]["finished"] == queue["requests"], key
     tokens = {queue[k]["output_tokens"] for k in ("queue", "in_process", "in_process_after")}
@@ -182,6 +186,10 @@ def test_sweep_bounds_must_be_positive_or_none() -> None:
     bench_cmd.register(parser.add_subparsers())
     with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
         parser.parse_args(["bench", "--sweep-bounds", "16,0"])
+    for option in ("--sweep-rounds", "--queue-rounds"):
+        with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
+            parser.parse_args(["bench", option, "0"])
+        assert "expected a positive integer, got '0'" in err.getvalue()
     args = parser.parse_args(["bench", "--sweep-bounds", "16, none"])
     assert args.sweep_bounds == (16, None)
 
