@@ -190,6 +190,8 @@ def test_sweep_bounds_must_be_positive_or_none() -> None:
         with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
             parser.parse_args(["bench", option, "0"])
         assert "expected a positive integer, got '0'" in err.getvalue()
+    args = parser.parse_args(["bench", "--sweep-bounds", "16, none"])
+    assert args.sweep_bounds == (16, None)
 
 
 def test_queue_rounds_help_gives_the_policy_the_bench_runs() -> None:
@@ -202,8 +204,6 @@ def test_queue_rounds_help_gives_the_policy_the_bench_runs() -> None:
     text = " ".join(out.getvalue().split())
     assert f"at least {MIN_ROUNDS}, more while the rounds have taken under " in text
     assert f"under {ROUNDS_BUDGET_S:.0f} s, at most {MAX_ROUNDS})" in text
-    args = parser.parse_args(["bench", "--sweep-bounds", "16, none"])
-    assert args.sweep_bounds == (16, None)
 
 
 @pytest.mark.slow
