@@ -195,7 +195,7 @@ def _daemon_env(
 
 def _run_through_daemon(
     systems: Systems, workload: Workload, redis_url: str, progress: Progress, *, prefix: str
-) -> tuple[RunStats, dict[str, float]]:
+) -> tuple[RunStats, dict[str, float | None]]:
     """The workload through a fresh daemon; its stats, the client's and Redis's CPU
     seconds."""
     env = _daemon_env(systems, workload, redis_url, prefix)
@@ -218,19 +218,32 @@ def _run_through_daemon(
             # The submitting and following client and Redis share the machine with the daemon.
             cpu, server = time.process_time(), _redis_cpu_s(conn)
             stats = _submit_and_follow(client, workload, recorder)
-            cpu, server = time.process_time() - cpu, _redis_cpu_s(conn) - server
+            cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
             client.close()
         finally:
             _stop(daemon)
             _delete_prefix(conn, prefix)
             conn.close()
-    return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": round(server, 3)}
+    return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": server}
 
 
-def _redis_cpu_s(conn: redis.Redis) -> float:
-    """CPU seconds the Redis server has used since it started (all its threads)."""
-    info = conn.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+def _redis_cpu_s(conn: redis.Redis) -> float | None:
+    """CPU seconds the Redis server has used since it started (all its threads); None
+    where INFO is refused (NOPERM, a renamed command) or its reply is lost: the figure
+    is then left out of the report, and the run it describes stands."""
+    try:
+        info = conn.info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+
+
+def _spent(before: float | None, after: float | None) -> float | None:
+    """CPU seconds between two readings; None if either is missing or the counters went
+    back (Redis restarted in between and started counting again)."""
+    if before is None or after is None or after < before:
+        return None
+    return round(after - before, 3)
 
 
 def _wait_ready(conn: redis.Redis, prefix: str, daemon: subprocess.Popen[bytes], log: Path) -> None:

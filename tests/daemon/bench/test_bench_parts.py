@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 
 from daemon.bench.limit import ModelFlops
 from daemon.bench.queue import (
@@ -14,12 +15,15 @@ from daemon.bench.queue import (
     ROUNDS_BUDGET_S,
     _another_round,
     _compare,
+    _redis_cpu_s,
+    _spent,
 )
 from daemon.bench.report import _queue_line
 from daemon.bench.stats import Recorder, step_profile
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.models.model_fixture import PRESETS
 from engine.outputs import StepStats
+from support.redis_server import RedisServer
 
 BENCH_SMALL = PRESETS["bench-small"]
 
@@ -145,3 +149,25 @@ def test_queue_rounds_run_to_the_time_budget_within_their_bounds() -> None:
     # A count asked for is run exactly, whatever the time.
     assert _another_round(1, ROUNDS_BUDGET_S * 3, 2)
     assert not _another_round(2, 0.0, 2)
+
+
+def test_redis_cpu_time_is_left_out_where_it_cannot_be_read(tmp_path: Path) -> None:
+    """On a real redis-server: a user refused INFO (NOPERM) and a Redis that is gone give
+    no figure instead of failing the queue run; a restart between readings gives none."""
+    server = RedisServer(tmp_path).start()
+    try:
+        admin = server.client()
+        assert (_redis_cpu_s(admin) or 0.0) > 0
+        admin.acl_setuser(
+            "noinfo", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-info"]
+        )
+        url = server.url.replace("redis://", "redis://noinfo:pw@")
+        with redis.Redis.from_url(url) as refused:
+            refused.ping()
+            assert _redis_cpu_s(refused) is None
+    finally:
+        server.kill()
+    assert _redis_cpu_s(admin) is None  # no server: connection refused
+    assert _spent(1.0, 1.25) == 0.25
+    assert _spent(5.0, 0.2) is None  # the counters started over
+    assert _spent(None, 1.0) is None
