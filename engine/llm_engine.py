@@ -200,11 +200,15 @@ class LLMEngine:
         sampling = [c for c in scheduled.chunks if c.samples]
         targets = self._prompt_targets(scheduled.chunks)
         logits, scores = self.runner.execute_scored(scheduled.chunks, targets)
-        if logits is not None:
+        if isinstance(logits, mx.array):
             # The grammar masks are built while the forward runs.
             mx.async_eval(logits)  # type: ignore[no-untyped-call]
         allowed = self._grammar_masks(sampling)
-        host = None if logits is None else np.array(logits.astype(mx.float32))
+        host = None
+        if isinstance(logits, mx.array):
+            host = np.array(logits.astype(mx.float32))
+        elif logits is not None:
+            host = logits
         for i, score in scores.items():
             chunk = scheduled.chunks[i]
             values = self._prompt_logprobs[chunk.seq.seq_id]

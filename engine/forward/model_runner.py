@@ -39,6 +39,7 @@ import numpy as np
 
 from engine.forward import fast_math, native
 from engine.forward.kv_pool import KVPool
+from engine.forward.packed_model import pack_model
 from engine.forward.paged_attention import (
     DecodeGroup,
     PrefillChunk,
@@ -101,6 +102,10 @@ class ChunkInput(Protocol):
     def samples(self) -> bool: ...
 
 
+# Hidden states and logits: lazy MLX arrays, or NumPy arrays from the packed products.
+Logits = mx.array | np.ndarray
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Index arrays of one step, built once with NumPy and shared by all layers."""
@@ -113,7 +118,7 @@ class _Plan:
     # block table [rows, width] and number of keys to attend [rows].
     kernel_rows: tuple[np.ndarray, np.ndarray] | None
     prefills: list[PrefillChunk]
-    sample_rows: mx.array | None
+    sample_rows: np.ndarray | None
     sample_order: list[int]  # chunk index of each sampled row, in row order
     first_rows: dict[int, int]  # chunk index -> its first packed row
 
@@ -141,6 +146,13 @@ class ModelRunner:
             on_cpu and self._fast_math and spec.dtype == mx.float32 and native.available()
         )
         self._threads = cpu_lanes()
+        self._packed = (
+            pack_model(model, spec) if self.native_attention and native.products_enabled() else None
+        )
+        if self._packed is not None:
+            # The C products read the packed weights and take any row count at full speed.
+            self._tied_head = None
+            self._row_multiple = 1
         fast_math.tune_malloc()
 
     def _lane_streams(self) -> list[mx.Stream]:
@@ -154,17 +166,18 @@ class ModelRunner:
             self._streams[thread] = streams
         return streams
 
-    def execute(self, chunks: Sequence[ChunkInput]) -> mx.array | None:
+    def execute(self, chunks: Sequence[ChunkInput]) -> Logits | None:
         """Run one forward; return logits ``[num_sampling_chunks, vocab]`` in chunk order.
 
-        The result is lazy; the pool's arrays are updated in place (lazily too:
-        evaluate the logits, or ``pool.k``/``pool.v`` when nothing samples).
+        On the MLX path the result is lazy and the pool's arrays are updated in place
+        (lazily too: evaluate the logits, or ``pool.k``/``pool.v`` when nothing samples);
+        with the packed products (float32 on a CPU) it is a NumPy array, computed.
         """
         return self.execute_scored(chunks, {})[0]
 
     def execute_scored(
         self, chunks: Sequence[ChunkInput], targets: Mapping[int, Sequence[int]]
-    ) -> tuple[mx.array | None, dict[int, mx.array]]:
+    ) -> tuple[Logits | None, dict[int, mx.array]]:
         """:meth:`execute`, and for each chunk index in ``targets`` the log-probabilities
         (float32 log-softmax of the logits) of its target tokens: target k is scored at
         the chunk's k-th token, so it is the token that follows it. Only the rows of
@@ -172,25 +185,26 @@ class ModelRunner:
         if not chunks:
             return None, {}
         plan = self._plan(chunks)
-        hidden = self._forward(plan)
+        hidden = self._forward(plan) if self._packed is None else self._packed_forward(plan)
         scores = {i: self._score(hidden, plan.first_rows[i], t) for i, t in targets.items()}
         if plan.sample_rows is None:
             mx.eval(self.pool.k, self.pool.v, *scores.values())
             return None, scores
         return self._sampled_logits(hidden, plan), scores
 
-    def _score(self, hidden: mx.array, first_row: int, targets: Sequence[int]) -> mx.array:
-        logits = self._logits(hidden[first_row : first_row + len(targets)]).astype(mx.float32)
+    def _score(self, hidden: Logits, first_row: int, targets: Sequence[int]) -> mx.array:
+        logits = mx.array(self._logits(hidden[first_row : first_row + len(targets)]))
+        logits = logits.astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.array(np.asarray(targets, dtype=np.int32))[:, None]
         return mx.take_along_axis(logprobs, picked, axis=-1)[:, 0]
 
-    def _sampled_logits(self, hidden: mx.array, plan: _Plan) -> mx.array:
+    def _sampled_logits(self, hidden: Logits, plan: _Plan) -> Logits:
         assert plan.sample_rows is not None
-        logits = self._logits(hidden[plan.sample_rows])
+        logits = self._logits(_take(hidden, plan.sample_rows))
         if plan.sample_order != sorted(plan.sample_order):
             # Sampled rows come out in packed order; hand them back in chunk order.
-            logits = logits[mx.array(np.argsort(plan.sample_order).astype(np.int32))]
+            logits = _take(logits, np.argsort(plan.sample_order).astype(np.int32))
         elif logits.shape[0] > len(plan.sample_order):
             logits = logits[: len(plan.sample_order)]  # drop the padding rows
         return logits
@@ -239,7 +253,7 @@ class ModelRunner:
             decode_groups=groups,
             kernel_rows=kernel_rows,
             prefills=prefill_chunks,
-            sample_rows=mx.array(np.asarray(sample_rows, dtype=np.int32)) if sample_rows else None,
+            sample_rows=np.asarray(sample_rows, dtype=np.int32) if sample_rows else None,
             sample_order=sample_order,
             first_rows=first_rows,
         )
@@ -309,19 +323,12 @@ class ModelRunner:
             q = attn.q_proj(h).reshape(n, heads, dim)
             k = attn.k_proj(h).reshape(n, kv_heads, dim)
             v = attn.v_proj(h).reshape(n, kv_heads, dim)
-            if self.spec.qk_norm:
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
-            q = attn.rope(q[:, :, None, :], offset=plan.positions)[:, :, 0, :]
-            k = attn.rope(k[:, :, None, :], offset=plan.positions)[:, :, 0, :]
-            k_new = k.transpose(1, 0, 2)
-            v_new = v.transpose(1, 0, 2)
-            self.pool.k[index][:, plan.slots] = k_new[:, :real]
-            self.pool.v[index][:, plan.slots] = v_new[:, :real]
+            q, k_new, v_new = self._store_kv(attn, index, q, k, v, plan)
             k_blocks, v_blocks = self.pool.blocked(index)
             parts = []
             if plan.kernel_rows is not None:
-                parts.append(self._kernel_attention(q[:real], index, plan.kernel_rows))
+                attended = self._kernel_attention(q[:real], index, plan.kernel_rows)
+                parts.append(mx.array(attended))
             for g in plan.decode_groups:
                 with mx.stream(streams[g.lane]):
                     queries = q[g.row_start : g.row_end]
@@ -348,10 +355,87 @@ class ModelRunner:
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
 
+    def _store_kv(
+        self, attn: Any, index: int, q: mx.array, k: mx.array, v: mx.array, plan: _Plan
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Norm (qwen3) and rotate the queries and keys, and write the real rows' keys and
+        values into the pool; returns the queries and the new keys and values
+        [kv_heads, rows, dim]."""
+        if self.spec.qk_norm:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = attn.rope(q[:, :, None, :], offset=plan.positions)[:, :, 0, :]
+        k = attn.rope(k[:, :, None, :], offset=plan.positions)[:, :, 0, :]
+        k_new = k.transpose(1, 0, 2)
+        v_new = v.transpose(1, 0, 2)
+        real = plan.slots.shape[0]
+        self.pool.k[index][:, plan.slots] = k_new[:, :real]
+        self.pool.v[index][:, plan.slots] = v_new[:, :real]
+        return q, k_new, v_new
+
+    def _packed_forward(self, plan: _Plan) -> np.ndarray:
+        """The forward on the packed weights: C kernels on NumPy arrays for every part of
+        a layer (norms, products, RoPE and the pool's writes, attention), MLX for the
+        embedding and the step's RoPE table only. No padding rows (``_row_multiple``
+        is 1)."""
+        packed = self._packed
+        assert packed is not None and plan.kernel_rows is not None
+        x = np.array(self.model.model.embed_tokens(plan.tokens), dtype=np.float32)
+        table = self._rope_table(plan.positions)
+        slots = np.array(plan.slots)
+        heads, kv_heads = self.spec.num_heads, self.spec.num_kv_heads
+        tables, lengths = plan.kernel_rows
+        threads = self._threads
+        for index, weights in enumerate(packed.layers):
+            k_pool, v_pool = np.asarray(self.pool.k[index]), np.asarray(self.pool.v[index])
+            normed = native.rms_norm(x, *weights.input_norm)
+            queries = native.rope_store(
+                native.product(normed, weights.qkv, threads=threads),
+                table,
+                heads=heads,
+                kv_heads=kv_heads,
+                traditional=packed.rope_traditional,
+                norms=weights.qk_norms,
+                k_pool=k_pool,
+                v_pool=v_pool,
+                slots=slots,
+            )
+            attended = native.paged_decode(
+                queries,
+                k_pool,
+                v_pool,
+                tables,
+                lengths,
+                block_size=self.pool.block_size,
+                scale=self._scale,
+                threads=threads,
+            ).reshape(len(lengths), -1)
+            x = x + native.product(attended, weights.o, threads=threads)
+            normed = native.rms_norm(x, *weights.post_norm)
+            act = native.product(normed, weights.gate_up, threads=threads)
+            x = x + native.product(act, weights.down, threads=threads)
+        return x
+
+    def _rope_table(self, positions: mx.array) -> np.ndarray:
+        """Each row's RoPE rotation [rows, head_dim], from the model's own rope module:
+        it rotates a vector that is 1 in each pair's first element and 0 in its second,
+        which leaves (cos, sin) of the pair's angle (times any scale the variant applies)
+        in the pair's place. Every layer's rope is the same module configuration."""
+        dim = self.spec.head_dim
+        basis = np.zeros(dim, dtype=np.float32)
+        if self._packed is not None and self._packed.rope_traditional:
+            basis[0::2] = 1.0
+        else:
+            basis[: dim // 2] = 1.0
+        rows = mx.broadcast_to(mx.array(basis), (positions.shape[0], 1, 1, dim))
+        rotated = self._layers[0].self_attn.rope(rows, offset=positions)
+        return np.array(rotated.reshape(positions.shape[0], dim), dtype=np.float32)
+
     def _kernel_attention(
         self, queries: mx.array, layer: int, rows: tuple[np.ndarray, np.ndarray]
-    ) -> mx.array:
-        """Every real row's attention by the C kernel; the graph so far is evaluated here."""
+    ) -> np.ndarray:
+        """Every real row's attention by the C kernel, [rows, heads * dim]; the graph so
+        far is evaluated here."""
         k, v = self.pool.k[layer], self.pool.v[layer]
         mx.eval(queries, k, v)
         tables, lengths = rows
@@ -365,7 +449,7 @@ class ModelRunner:
             scale=self._scale,
             threads=self._threads,
         )
-        return mx.array(out.reshape(len(lengths), -1))
+        return out.reshape(len(lengths), -1)
 
     def _mlp(self, mlp: Any, h: mx.array) -> mx.array:
         out: mx.array
@@ -379,14 +463,27 @@ class ModelRunner:
             out = mlp(h)
         return out
 
-    def _logits(self, hidden: mx.array) -> mx.array:
+    def _logits(self, hidden: Logits) -> Logits:
+        if self._packed is not None:
+            assert isinstance(hidden, np.ndarray)
+            rows = native.rms_norm(np.ascontiguousarray(hidden), *self._packed.final_norm)
+            return native.product(rows, self._packed.head, threads=self._threads)
+        assert isinstance(hidden, mx.array)
         inner = self.model.model
-        hidden = inner.norm(hidden)
+        normed: mx.array = inner.norm(hidden)
         logits: mx.array
         if self._tied_head is not None:
-            logits = hidden @ self._tied_head
+            logits = normed @ self._tied_head
         elif getattr(self.model.args, "tie_word_embeddings", False):
-            logits = inner.embed_tokens.as_linear(hidden)
+            logits = inner.embed_tokens.as_linear(normed)
         else:
-            logits = self.model.lm_head(hidden)
+            logits = self.model.lm_head(normed)
         return logits
+
+
+def _take(rows: Logits, index: np.ndarray) -> Logits:
+    """``rows[index]`` of either kind of array."""
+    if isinstance(rows, np.ndarray):
+        taken: np.ndarray = rows[index]
+        return taken
+    return rows[mx.array(index)]

@@ -1,5 +1,5 @@
-"""The CPU attention and SwiGLU kernels (paged_decode.c), compiled on first use and loaded
-by ctypes.
+"""The CPU kernels (paged_decode.c: attention and SwiGLU; products.c: matrix products over
+packed weights and RMSNorm), compiled on first use and loaded by ctypes.
 
 Why a C kernel and not an MLX extension: an extension is built with nanobind and
 must match the ABI MLX's wheel was built with; a plain C function over NumPy
@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -36,7 +37,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "BATCHD_NATIVE_ATTENTION"
-SOURCE = Path(__file__).with_name("paged_decode.c")
+# BATCHD_NATIVE_PRODUCTS=0 keeps MLX's (OpenBLAS's) matrix products under the C attention.
+PRODUCTS_DISABLE_ENV = "BATCHD_NATIVE_PRODUCTS"
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("team.c", "paged_decode.c", "products.c", "rows.c")
+)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("fast_exp.h", "team.h"))
 FLAGS = (
     "-O3",
     "-march=native",
@@ -46,6 +52,7 @@ FLAGS = (
     "-shared",
     "-pthread",
 )
+LIBRARIES = ("-lm",)
 
 
 class KernelError(RuntimeError):
@@ -69,9 +76,10 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (sources, " ".join(FLAGS + LIBRARIES).encode(), _cpu_flags().encode()):
         digest.update(part)
-    target = _cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +87,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+            [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBRARIES],
             check=True,
             capture_output=True,
             timeout=120,
@@ -126,12 +134,35 @@ def _library() -> ctypes.CDLL | None:
     swiglu_fn = library.batchd_swiglu
     swiglu_fn.argtypes = [c_pointer] * 3 + [ctypes.c_int64]
     swiglu_fn.restype = None
+    c_int64 = ctypes.c_int64
+    product_fn = library.batchd_product
+    # x, m, k, panels, bias, n, y, swiglu, threads
+    product_fn.argtypes = [c_pointer, c_int64, c_int64, c_pointer, c_pointer, c_int64]
+    product_fn.argtypes += [c_pointer, c_int, c_int]
+    product_fn.restype = c_int
+    norm_fn = library.batchd_rms_norm
+    norm_fn.argtypes = [c_pointer] * 3 + [c_int64, c_int64, ctypes.c_float]
+    norm_fn.restype = None
+    rope_fn = library.batchd_rope_store
+    # qkv, n, heads, kv_heads, dim, table, traditional, q_norm, k_norm, eps, q_out, k_pool,
+    # v_pool, pool_slots, slots
+    rope_fn.argtypes = [c_pointer, c_int64, c_int, c_int, c_int, c_pointer, c_int]
+    rope_fn.argtypes += [c_pointer, c_pointer, ctypes.c_float, c_pointer, c_pointer, c_pointer]
+    rope_fn.argtypes += [c_int64, c_pointer]
+    rope_fn.restype = c_int
+    library.batchd_panel_width.argtypes = []
+    library.batchd_panel_width.restype = c_int
     return library
 
 
 def available() -> bool:
     """Whether the kernel is on (not disabled) and built."""
     return os.environ.get(DISABLE_ENV) != "0" and _library() is not None
+
+
+def products_enabled() -> bool:
+    """Whether the C products over packed weights are on (they need the kernels too)."""
+    return os.environ.get(PRODUCTS_DISABLE_ENV) != "0" and available()
 
 
 def paged_decode(
@@ -198,4 +229,179 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
             raise KernelError(f"{name}: needs C-contiguous float32, got {array.dtype}")
     out = np.empty_like(gate)
     library.batchd_swiglu(gate.ctypes.data, up.ctypes.data, out.ctypes.data, gate.size)
+    return out
+
+
+def _loaded() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise KernelError("the native kernels are not available")
+    return library
+
+
+def _check_float32(name: str, array: np.ndarray, ndim: int) -> None:
+    if array.dtype != np.float32 or not array.flags.c_contiguous or array.ndim != ndim:
+        raise KernelError(
+            f"{name}: needs a C-contiguous float32 array of {ndim} dimensions, got "
+            f"{array.dtype} {array.shape}"
+        )
+
+
+def panel_width() -> int:
+    """Columns in a panel of packed weights (twice the CPU's float vector width)."""
+    return int(_loaded().batchd_panel_width())
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight laid out for :func:`product`: ``panels`` [count, k, width] and the bias
+    in the same column order [count * width], or None. With ``swiglu`` each panel holds
+    width / 2 columns of the gate and then the same columns of the up projection."""
+
+    panels: np.ndarray
+    bias: np.ndarray | None
+    k: int
+    n: int
+    swiglu: bool
+
+
+def _panels(columns: np.ndarray) -> np.ndarray:
+    """[k, count * width] -> [count, k, width] (C order)."""
+    k = columns.shape[0]
+    width = panel_width()
+    return np.ascontiguousarray(columns.reshape(k, -1, width).transpose(1, 0, 2))
+
+
+def _pad_columns(w: np.ndarray, multiple: int) -> np.ndarray:
+    extra = -w.shape[-1] % multiple
+    if not extra:
+        return w
+    return np.concatenate([w, np.zeros((*w.shape[:-1], extra), dtype=w.dtype)], axis=-1)
+
+
+def pack(weight: np.ndarray, bias: np.ndarray | None = None) -> PackedWeight:
+    """Pack ``weight`` [k, n] (``x @ weight``) and its optional bias [n]."""
+    k, n = weight.shape
+    width = panel_width()
+    columns = _pad_columns(np.asarray(weight, dtype=np.float32), width)
+    packed_bias = None
+    if bias is not None:
+        packed_bias = np.ascontiguousarray(_pad_columns(np.asarray(bias, np.float32), width))
+    return PackedWeight(_panels(columns), packed_bias, k, n, swiglu=False)
+
+
+def pack_swiglu(
+    gate: np.ndarray, up: np.ndarray, biases: tuple[np.ndarray, np.ndarray] | None = None
+) -> PackedWeight:
+    """Pack SwiGLU's ``gate`` and ``up`` [k, n] (and their optional biases) together."""
+    if gate.shape != up.shape:
+        raise KernelError(f"gate {gate.shape} and up {up.shape} differ in shape")
+    k, n = gate.shape
+    half = panel_width() // 2
+
+    def interleave(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        g, u = (
+            _pad_columns(np.asarray(g, np.float32), half),
+            _pad_columns(np.asarray(u, np.float32), half),
+        )
+        rows = g.shape[:-1]
+        both = np.stack([g.reshape(*rows, -1, half), u.reshape(*rows, -1, half)], axis=-2)
+        return both.reshape(*rows, -1)
+
+    bias = None if biases is None else np.ascontiguousarray(interleave(*biases))
+    return PackedWeight(_panels(interleave(gate, up)), bias, k, n, swiglu=True)
+
+
+def product(x: np.ndarray, weight: PackedWeight, *, threads: int) -> np.ndarray:
+    """``x @ weight`` (+ bias), or silu(x @ gate) * (x @ up) for a SwiGLU pack, for x
+    [m, k] float32 -> [m, n]."""
+    library = _loaded()
+    _check_float32("x", x, 2)
+    if x.shape[1] != weight.k:
+        raise KernelError(f"x has {x.shape[1]} columns, the weight {weight.k} rows")
+    out = np.empty((x.shape[0], weight.n), dtype=np.float32)
+    status = library.batchd_product(
+        x.ctypes.data,
+        x.shape[0],
+        weight.k,
+        weight.panels.ctypes.data,
+        None if weight.bias is None else weight.bias.ctypes.data,
+        weight.n,
+        out.ctypes.data,
+        int(weight.swiglu),
+        threads,
+    )
+    if status != 0:
+        raise KernelError(f"product failed ({status}): x {x.shape}, weight {weight.k}x{weight.n}")
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each row of x [rows, dim] with ``weight`` [dim]."""
+    library = _loaded()
+    _check_float32("x", x, 2)
+    _check_float32("weight", weight, 1)
+    if weight.shape[0] != x.shape[1]:
+        raise KernelError(f"x has {x.shape[1]} columns, the norm's weight {weight.shape[0]}")
+    out = np.empty_like(x)
+    library.batchd_rms_norm(
+        x.ctypes.data, weight.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1], eps
+    )
+    return out
+
+
+def rope_store(
+    qkv: np.ndarray,
+    table: np.ndarray,
+    *,
+    heads: int,
+    kv_heads: int,
+    traditional: bool,
+    norms: tuple[np.ndarray, np.ndarray, float] | None,
+    k_pool: np.ndarray,
+    v_pool: np.ndarray,
+    slots: np.ndarray,
+) -> np.ndarray:
+    """Split ``qkv`` [n, (heads + 2 kv_heads) * dim] into its queries, returned normed
+    (``norms``: the q and k RMSNorm weights and eps, qwen3) and rotated by ``table``
+    [n, dim] as [n, heads, dim], and its keys (normed, rotated) and values, written into
+    the pools [kv_heads, pool slots, dim] at ``slots`` [n]."""
+    library = _loaded()
+    _check_float32("qkv", qkv, 2)
+    _check_float32("table", table, 2)
+    n, dim = table.shape
+    if qkv.shape != (n, (heads + 2 * kv_heads) * dim):
+        raise KernelError(f"qkv {qkv.shape} does not hold {heads}+2x{kv_heads} heads of {dim}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _check_float32(name, pool, 3)
+        if pool.shape[0] != kv_heads or pool.shape[2] != dim or not pool.flags.writeable:
+            raise KernelError(
+                f"{name}: needs a writable [{kv_heads}, slots, {dim}], got {pool.shape}"
+            )
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    out = np.empty((n, heads, dim), dtype=np.float32)
+    q_norm, k_norm, eps = (None, None, 0.0) if norms is None else norms
+    status = library.batchd_rope_store(
+        qkv.ctypes.data,
+        n,
+        heads,
+        kv_heads,
+        dim,
+        table.ctypes.data,
+        int(traditional),
+        None if q_norm is None else q_norm.ctypes.data,
+        None if k_norm is None else k_norm.ctypes.data,
+        eps,
+        out.ctypes.data,
+        k_pool.ctypes.data,
+        v_pool.ctypes.data,
+        k_pool.shape[1],
+        slots.ctypes.data,
+    )
+    if status != 0:
+        raise KernelError(
+            f"rope_store failed ({status}): {n} rows of dim {dim}, slots "
+            f"{slots.min() if slots.size else None}..{slots.max() if slots.size else None} "
+            f"of {k_pool.shape[1]}"
+        )
     return out

@@ -18,10 +18,12 @@
    [kv_heads, slots, dim]; tables [batch, width] block ids; lengths [batch] keys
    to attend (the new token included). Query head h reads KV head h / group. */
 
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fast_exp.h"
+#include "team.h"
 
 #define MAX_THREADS 16
 
@@ -35,24 +37,6 @@ typedef struct {
   int first, last; /* this worker's tasks: [first, last) of batch * kv_heads */
   int failed;
 } Work;
-
-/* e**x clamped to [e**-87, e**88], as fast_math.exp computes it (Cephes expf). */
-static inline float exp_clamped(float x) {
-  x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-  int biased = (int)(x * 1.4426950408889634f + 127.5f);
-  float n = (float)(biased - 127);
-  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  union {
-    int32_t i;
-    float f;
-  } bits = {.i = biased << 23};
-  return (p * (r * r) + r + 1.0f) * bits.f;
-}
 
 /* s[t] = e**(s[t] - max s) for t < length, in place; returns 1 / their sum (the softmax's
    normaliser, applied by the caller where it suits it). */
@@ -315,7 +299,18 @@ static void *run(void *arg) {
   return NULL;
 }
 
-/* Returns 0 on success, -1 on bad arguments, -2 when memory or threads ran out. */
+typedef struct {
+  Work *work;
+  int count;
+} Works;
+
+/* Work items part, part + parts, ...: all of them where the team came out smaller. */
+static void run_part(void *context, int part, int parts) {
+  const Works *works = context;
+  for (int i = part; i < works->count; i += parts) run(works->work + i);
+}
+
+/* Returns 0 on success, -1 on bad arguments, -2 when memory ran out. */
 int batchd_paged_decode(const float *q, const float *k, const float *v, const int32_t *tables,
                         const int32_t *lengths, float *out, int batch, int heads, int kv_heads,
                         int dim, int64_t slots, int width, int block_size, float scale,
@@ -332,7 +327,6 @@ int batchd_paged_decode(const float *q, const float *k, const float *v, const in
   int64_t total = 0;
   for (int b = 0; b < batch; b++) total += (int64_t)lengths[b] * kv_heads;
   Work work[MAX_THREADS];
-  pthread_t ids[MAX_THREADS];
   int first = 0;
   int64_t done = 0;
   for (int i = 0; i < threads; i++) {
@@ -346,18 +340,10 @@ int batchd_paged_decode(const float *q, const float *k, const float *v, const in
                      block_size, scale, first, last, 0};
     first = last;
   }
-  int started = 0;
-  for (int i = 1; i < threads; i++) {
-    if (pthread_create(&ids[i], NULL, run, &work[i]) != 0) break;
-    started = i;
-  }
-  for (int i = started + 1; i < threads; i++) run(&work[i]); /* threads that did not start */
-  run(&work[0]);
-  int failed = work[0].failed;
-  for (int i = 1; i < threads; i++) {
-    if (i <= started) pthread_join(ids[i], NULL);
-    failed |= work[i].failed;
-  }
+  Works works = {work, threads};
+  batchd_team_run(run_part, &works, threads);
+  int failed = 0;
+  for (int i = 0; i < threads; i++) failed |= work[i].failed;
   return failed ? -2 : 0;
 }
 

@@ -127,16 +127,20 @@ def reference(tiny_model: Path) -> tuple[object, Reference]:
     return loaded, Reference(loaded.model)
 
 
-@pytest.mark.parametrize("kernel", ["on", "off"])
-def test_engine_matches_mlx_lm_on_either_attention_path(
-    kernel: str, reference: tuple[object, Reference], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("path", ["packed", "kernel", "mlx"])
+def test_engine_matches_mlx_lm_on_each_cpu_path(
+    path: str, reference: tuple[object, Reference], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if kernel == "on" and not native.available():
-        pytest.skip("no C compiler here: the kernel cannot be built")
-    monkeypatch.setenv(native.DISABLE_ENV, "1" if kernel == "on" else "0")
+    """packed: every layer piece in C (the default); kernel: C attention and SwiGLU with
+    OpenBLAS's products (BATCHD_NATIVE_PRODUCTS=0); mlx: MLX alone."""
+    if path != "mlx" and not native.available():
+        pytest.skip("no C compiler here: the kernels cannot be built")
+    monkeypatch.setenv(native.DISABLE_ENV, "0" if path == "mlx" else "1")
+    monkeypatch.setenv(native.PRODUCTS_DISABLE_ENV, "1" if path == "packed" else "0")
     loaded, ref = reference
     eng = LLMEngine(loaded, EngineConfig(max_num_seqs=16, num_kv_blocks=512))  # type: ignore[arg-type]
-    assert eng.runner.native_attention is (kernel == "on")
+    assert eng.runner.native_attention is (path != "mlx")
+    assert (eng.runner._packed is not None) is (path == "packed")
     reqs = random_requests(16, seed=3, vocab=1024)
     report = check_parity(ref, reqs, run_engine(eng, reqs, waves=2))
     assert report.tokens > 200

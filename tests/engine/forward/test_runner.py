@@ -16,7 +16,7 @@ import pytest
 
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine.exceptions import UnsupportedModelError
-from engine.forward import fast_math
+from engine.forward import fast_math, native
 from engine.forward.kv_pool import KVPool, size_pool
 from engine.forward.model_runner import ROW_MULTIPLE, ModelRunner, padded_rows
 from engine.forward.paged_attention import group_decodes, split_for_lanes
@@ -91,10 +91,14 @@ def test_decodes_of_different_lengths_batch_together(loaded: LoadedModel) -> Non
         np.testing.assert_allclose(np.array(logits[i]), _reference_logits(loaded, s), atol=2e-4)
 
 
-def test_padding_rows_touch_no_pool_slot(loaded: LoadedModel) -> None:
-    """5 real tokens run as 16 rows on CPU; only the 5 real slots of the pool are written."""
+def test_padding_rows_touch_no_pool_slot(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5 real tokens run as 16 rows on CPU with OpenBLAS's products (the packed products
+    need no padding); only the 5 real slots of the pool are written."""
     assert [padded_rows(n, 16) for n in (1, 3, 4, 5, 16, 17, 500)] == [1, 3, 16, 16, 16, 32, 512]
     assert padded_rows(5, 1) == 5
+    monkeypatch.setenv(native.PRODUCTS_DISABLE_ENV, "0")
     runner = _runner(loaded)
     assert runner._row_multiple == ROW_MULTIPLE  # tests run on the CPU
     seq = _tokens(50, 5)
