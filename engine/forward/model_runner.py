@@ -8,11 +8,15 @@ slot; attention then reads every sequence through its block table (see
 engine.forward.paged_attention). Logits are computed only for rows that sample, and
 for the prompt rows of a request that asked for its prompt's logprobs.
 
-On a CPU with a float32 model, attention of every row (decode and prefill) and
-SwiGLU run in the C kernel of engine.forward.native, which reads K/V through
-the block tables in place; the layer's graph is evaluated before each call
-(once or twice a layer, ~0.1 ms each). Without it (no compiler, other dtypes,
-Metal), the MLX path below runs.
+On a CPU with a float32 model, the packed forward runs every part of a layer
+in the C kernels of engine.forward.native on NumPy views (products over weights
+packed at load, engine.forward.packed_model; RMSNorm; RoPE and the pool's
+writes; attention of every row, decode and prefill, reading K/V through the
+block tables in place): no MLX evaluation inside a layer. With
+BATCHD_NATIVE_PRODUCTS=0, or a model the packing does not cover, the MLX
+forward below runs with the C attention and SwiGLU, evaluating the layer's
+graph before each call (once or twice a layer, ~0.1 ms each). Without the
+kernels (no compiler, other dtypes, Metal), the MLX path runs alone.
 
 On the MLX path on a multi-core CPU, decode attention runs on several MLX streams at once
 (one thread each): decode groups are cut into lanes (engine.forward.paged_attention).
@@ -323,7 +327,15 @@ class ModelRunner:
             q = attn.q_proj(h).reshape(n, heads, dim)
             k = attn.k_proj(h).reshape(n, kv_heads, dim)
             v = attn.v_proj(h).reshape(n, kv_heads, dim)
-            q, k_new, v_new = self._store_kv(attn, index, q, k, v, plan)
+            if self.spec.qk_norm:
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = attn.rope(q[:, :, None, :], offset=plan.positions)[:, :, 0, :]
+            k = attn.rope(k[:, :, None, :], offset=plan.positions)[:, :, 0, :]
+            k_new = k.transpose(1, 0, 2)
+            v_new = v.transpose(1, 0, 2)
+            self.pool.k[index][:, plan.slots] = k_new[:, :real]
+            self.pool.v[index][:, plan.slots] = v_new[:, :real]
             k_blocks, v_blocks = self.pool.blocked(index)
             parts = []
             if plan.kernel_rows is not None:
@@ -354,24 +366,6 @@ class ModelRunner:
             x = x + attn.o_proj(out)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
-
-    def _store_kv(
-        self, attn: Any, index: int, q: mx.array, k: mx.array, v: mx.array, plan: _Plan
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """Norm (qwen3) and rotate the queries and keys, and write the real rows' keys and
-        values into the pool; returns the queries and the new keys and values
-        [kv_heads, rows, dim]."""
-        if self.spec.qk_norm:
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
-        q = attn.rope(q[:, :, None, :], offset=plan.positions)[:, :, 0, :]
-        k = attn.rope(k[:, :, None, :], offset=plan.positions)[:, :, 0, :]
-        k_new = k.transpose(1, 0, 2)
-        v_new = v.transpose(1, 0, 2)
-        real = plan.slots.shape[0]
-        self.pool.k[index][:, plan.slots] = k_new[:, :real]
-        self.pool.v[index][:, plan.slots] = v_new[:, :real]
-        return q, k_new, v_new
 
     def _packed_forward(self, plan: _Plan) -> np.ndarray:
         """The forward on the packed weights: C kernels on NumPy arrays for every part of
