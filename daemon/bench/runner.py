@@ -49,13 +49,14 @@ OFFLINE_SYSTEMS = {
 # Run only when asked for by name (not part of a full run): see daemon.bench.sweep.
 EXTRA_WORKLOADS = ("online-sweep",)
 
-# batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (a step
-# carrying 512 prefill tokens takes ~9x a decode step on bench-small, and every running decode
-# waits for it). 64 rather than 32: in interleaved runs on 2 cores, 32 tokens gave ITL p99/p50
-# 1.9-2.0x but a TTFT p99 at or above BatchGenerator's (prompts arriving together wait for
-# each other's chunks); 64 gave 2.3x and TTFT p99 0.7x BatchGenerator's. The throughput
-# workloads keep the engine settings' value (default: no bound).
-ONLINE_MAX_PREFILL_TOKENS = 64
+# batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (every
+# running decode waits for the prefill tokens its step carries). 4: in interleaved sweeps on
+# 2 cores (Zen 4, the packed CPU products) it was the one bound that kept ITL p99/p50 within
+# 1.5x (1.36-1.41x on SmolLM2 and bench-small) with TTFT p99 under BatchGenerator's (2.7 s
+# against 3.5 s; 0.77 s against 0.82-0.92 s); 8 gave 1.6-1.8x. 64 suited the engine with
+# OpenBLAS's products, whose decode steps were twice as long. The throughput workloads keep
+# the engine settings' value (default: no bound).
+ONLINE_MAX_PREFILL_TOKENS = 4
 
 
 @dataclass(frozen=True)

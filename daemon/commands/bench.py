@@ -56,7 +56,7 @@ def register(sub: Any) -> None:
         default=argparse.SUPPRESS,
         metavar="N|none",
         help="batchd's engine.max_prefill_tokens_with_decodes in the online workload, a latency "
-        "setting (default: 64; none: no bound); the throughput workloads take the engine "
+        "setting (default: 4; none: no bound); the throughput workloads take the engine "
         "settings' value",
     )
     p.add_argument(

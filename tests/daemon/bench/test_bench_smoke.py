@@ -68,9 +68,9 @@ def test_settings_and_machine_are_recorded(bench_run: BenchRun) -> None:
     assert report["settings"]["command"].startswith("batchd bench --workload all --model ")
     assert report["settings"]["command"].endswith(" --queue-rounds 2")
     # Online runs batchd with the latency setting; the throughput workloads with the engine's.
-    assert report["settings"]["online_max_prefill_tokens_with_decodes"] == 64
+    assert report["settings"]["online_max_prefill_tokens_with_decodes"] == 4
     assert report["settings"]["max_prefill_tokens_with_decodes"] is None
-    assert "--online-max-prefill-tokens 64" in report["settings"]["command"]
+    assert "--online-max-prefill-tokens 4" in report["settings"]["command"]
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["mlx"] and machine["blas"]
     if sys.platform.startswith("linux"):
