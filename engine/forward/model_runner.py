@@ -375,7 +375,7 @@ class ModelRunner:
         packed = self._packed
         assert packed is not None and plan.kernel_rows is not None
         x = np.array(self.model.model.embed_tokens(plan.tokens), dtype=np.float32)
-        table = self._rope_table(plan.positions)
+        table = self._rope_table(plan.positions, traditional=packed.rope_traditional)
         slots = np.array(plan.slots)
         heads, kv_heads = self.spec.num_heads, self.spec.num_kv_heads
         tables, lengths = plan.kernel_rows
@@ -410,14 +410,14 @@ class ModelRunner:
             x = x + native.product(act, weights.down, threads=threads)
         return x
 
-    def _rope_table(self, positions: mx.array) -> np.ndarray:
+    def _rope_table(self, positions: mx.array, *, traditional: bool) -> np.ndarray:
         """Each row's RoPE rotation [rows, head_dim], from the model's own rope module:
         it rotates a vector that is 1 in each pair's first element and 0 in its second,
         which leaves (cos, sin) of the pair's angle (times any scale the variant applies)
         in the pair's place. Every layer's rope is the same module configuration."""
         dim = self.spec.head_dim
         basis = np.zeros(dim, dtype=np.float32)
-        if self._packed is not None and self._packed.rope_traditional:
+        if traditional:
             basis[0::2] = 1.0
         else:
             basis[: dim // 2] = 1.0

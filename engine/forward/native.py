@@ -42,7 +42,7 @@ PRODUCTS_DISABLE_ENV = "BATCHD_NATIVE_PRODUCTS"
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("team.c", "paged_decode.c", "products.c", "rows.c")
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("fast_exp.h", "team.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("fast_exp.h", "simd.h", "team.h"))
 FLAGS = (
     "-O3",
     "-march=native",
@@ -178,9 +178,7 @@ def paged_decode(
 ) -> np.ndarray:
     """Attention of ``q`` [B, heads, D] over the pool ``k``/``v`` [kv_heads, slots, D]
     through ``tables`` [B, width] for ``lengths`` [B] keys each -> [B, heads, D] float32."""
-    library = _library()
-    if library is None:
-        raise KernelError("the decode attention kernel is not available")
+    library = _loaded()
     batch, heads, dim = q.shape
     kv_heads, slots, _ = k.shape
     arrays = {"q": q, "k": k, "v": v}
@@ -219,9 +217,7 @@ def paged_decode(
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up of two C-contiguous float32 arrays of one shape."""
-    library = _library()
-    if library is None:
-        raise KernelError("the native kernels are not available")
+    library = _loaded()
     if gate.shape != up.shape:
         raise KernelError(f"gate {gate.shape} and up {up.shape} differ in shape")
     for name, array in (("gate", gate), ("up", up)):

@@ -132,18 +132,7 @@ static void attend(const Work *w, int task, float *scores) {
    took 4.5 ms a layer where the plain loops take 2.8 and this path, with 8 floats, 1.75
    (SmolLM2, 32 sequences of ~330 keys, 2 cores). */
 #define VECTOR_PATH 1
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-typedef float vec __attribute__((vector_size(VL * sizeof(float))));
-
-static inline vec load_vec(const float *p) {
-  vec x;
-  memcpy(&x, p, sizeof x);
-  return x;
-}
+#include "simd.h"
 
 /* fold<run>(a, b): the lanes of a and b taken in runs of `run`, the first run of each
    pair of runs from a and b alternately, added to the second runs: every output run is

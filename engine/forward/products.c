@@ -22,24 +22,16 @@
 #include <string.h>
 
 #include "fast_exp.h"
+#include "simd.h"
 #include "team.h"
 
-#if defined(__AVX512F__)
-#define VL 16
+/* Rows of a tile: 2 * ROWS accumulators and the panel's two vectors fill the registers. */
+#if VL == 16
 #define ROWS 8
 #else
-#define VL 8
 #define ROWS 6
 #endif
 #define PANEL (2 * VL)
-
-typedef float vec __attribute__((vector_size(VL * sizeof(float))));
-
-static inline vec load_vec(const float *p) {
-  vec x;
-  memcpy(&x, p, sizeof x);
-  return x;
-}
 
 int batchd_panel_width(void) { return PANEL; }
 
