@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TypeGuard
 
 from config import NAME_PATTERN
@@ -88,13 +89,13 @@ class Keys:
         return f"{self.queue_prefix}{check_name('queue', name)}"
 
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{check_name('id', job_id)}"
+        return _job_key(self.prefix, job_id)
 
     def events(self, job_id: str) -> str:
-        return f"{self.job(job_id)}:events"
+        return _job_key(self.prefix, job_id, ":events")
 
     def tokens(self, job_id: str) -> str:
-        return f"{self.job(job_id)}:tokens"
+        return _job_key(self.prefix, job_id, ":tokens")
 
     def daemon(self, consumer: str) -> str:
         return f"{self.prefix}:daemon:{consumer}"
@@ -109,3 +110,10 @@ def seq_of(entry_id: bytes | str) -> int:
     """Inverse of :func:`event_id`."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.split("-", 1)[1]) - 1
+
+
+@lru_cache(maxsize=16384)
+def _job_key(prefix: str, job_id: str, suffix: str = "") -> str:
+    """A job's key, its id checked. Cached: a daemon names each running job's three keys
+    every step (a refused id raises, and is not cached)."""
+    return f"{prefix}:job:{check_name('id', job_id)}{suffix}"

@@ -514,6 +514,28 @@ class Event(_Strict):
         return self.finish_reason is not None
 
     def encode(self) -> bytes:
+        if (
+            self.finish_reason is None
+            and self.prompt_logprobs is None
+            and self.usage is None
+            and self.timings is None
+            and self.error is None
+            and self.metadata is None
+            and self.choices is None
+        ):
+            # A token event (a daemon encodes one per job and step): the fields by hand,
+            # in the model's order, as model_dump would give them.
+            fields: dict[str, Any] = {"seq": self.seq}
+            if self.index is not None:
+                fields["index"] = self.index
+            if self.token_id is not None:
+                fields["token_id"] = self.token_id
+            fields["text"] = self.text
+            if self.logprob is not None:
+                fields["logprob"] = self.logprob
+            if self.top_logprobs is not None:
+                fields["top_logprobs"] = self.top_logprobs
+            return orjson.dumps(fields)
         return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
 
     @classmethod

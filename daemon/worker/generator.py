@@ -92,6 +92,11 @@ class Load:
 class Generator(Protocol):
     """The engine as the daemon sees it."""
 
+    # True when a step keeps the machine's CPU cores busy (the engine computes on the
+    # CPU): the daemon then waits for each publish round trip between steps rather than
+    # running it beside the next step (daemon.worker.loop).
+    steps_use_cpu: bool = False
+
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         """Prompt token ids of a job (chat template applied); raises JobRejected."""
         ...

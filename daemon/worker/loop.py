@@ -1,17 +1,22 @@
 """The daemon's loop: step, settle, intake, control, claims at their own interval, publish.
 
 Everything here runs on one thread, the engine thread (MLX streams are
-thread-local); the heartbeat has a thread (and a connection) of its own, and
-the publish pipeline is executed by a thread of its own while the next step
-runs. A busy step waits for no Redis round trip: step N's pipeline (its tokens,
-statuses and acks, plus the cancellation read and the intake read, see
-daemon.worker.intake) is in flight while step N+1 computes, and is settled
-right after it; only new jobs' pickup adds a round trip, and only an idle
-daemon blocks on Redis. So jobs read and cancellations seen by step N's
-pipeline take effect at step N+2. Short steps (OVERLAP_MIN_STEP_S) are not
-overlapped: their pipeline is settled before the next step, as when idle.
-No Redis command of this thread runs while a pipeline is in flight, so Redis
-sees the daemon's commands in the order of a loop that waits for every reply.
+thread-local); the heartbeat has a thread (and a connection) of its own.
+Each step's pipeline (its tokens, statuses and acks, plus the cancellation
+read and the intake read, see daemon.worker.intake) is one round trip. Where
+the engine computes off the CPU (a GPU), a thread of its own executes it
+while the next step runs, so a busy step waits for no round trip: step N's
+pipeline is in flight while step N+1 computes and is settled right after it,
+so jobs read and cancellations seen by it take effect at step N+2; only new
+jobs' pickup adds a round trip, and only an idle daemon blocks on Redis. An
+engine on the CPU (``Generator.steps_use_cpu``) keeps every core busy: there
+the loop waits for the replies between steps, as it does after short steps
+(OVERLAP_MIN_STEP_S) and while idle. (Run beside the step, the pipeline's
+Python, Redis running it and the subscribers it wakes take cores from the
+engine's threads mid-step, which wait for each other: on 2 cores that cost
+the daemon more than the round trip it hid, see README.) No Redis command of
+this thread runs while a pipeline is in flight, so Redis sees the daemon's
+commands in the order of a loop that waits for every reply.
 Signals set a flag: intake stops, running jobs get the grace period to
 finish, the rest stay pending in the group (their published events are the
 checkpoint), and ``run`` returns.
@@ -60,8 +65,9 @@ EXIT_STALLED = 70
 # step: a short step is mostly Python, which holds the GIL, so the publishing thread would
 # wait up to Python's switch interval (5 ms) for it, twice, to hide a ~2 ms round trip.
 # Measured on 2 cores with 8-token jobs on the tiny model (3.4 ms steps): overlapping them
-# cut the daemon's requests/s by ~20%; on bench-small (20-60 ms steps) it raised its
-# throughput through Redis by 9% (median of ten alternating pairs, see README).
+# cut the daemon's requests/s by ~20%; on bench-small (20-60 ms steps, when OpenBLAS ran the
+# products) it raised its throughput through Redis by 9% (median of ten alternating pairs,
+# see README). An engine on the CPU is never overlapped now (Generator.steps_use_cpu).
 OVERLAP_MIN_STEP_S = 0.010
 
 StepObserver = Callable[[StepView | None, list[TokenOut]], None]
@@ -269,8 +275,9 @@ class Worker:
     def publish(self) -> None:
         """Send one pipeline: every outbox (tokens, statuses, finishes), new cancellations
         and, while busy, new jobs up to the room left once this pipeline's finishes are
-        acked. It runs while the next step computes and ``settle`` applies its replies
-        after it; after a step shorter than OVERLAP_MIN_STEP_S, and while idle, at once."""
+        acked. Off the CPU it runs while the next step computes and ``settle`` applies
+        its replies after it; with an engine on the CPU, after a step shorter than
+        OVERLAP_MIN_STEP_S, and while idle, its replies are applied at once."""
         if not self.backoff.ready():
             return
         extras: list[Piggyback] = [self.cancels]
@@ -287,7 +294,7 @@ class Worker:
         if isinstance(prepared, FlushResult):
             self._apply(prepared)
             return
-        if self.last_step_s < OVERLAP_MIN_STEP_S:
+        if self.gen.steps_use_cpu or self.last_step_s < OVERLAP_MIN_STEP_S:
             self._settle(prepared, prepared.execute)
             return
         self._in_flight = (prepared, self._publishing.submit(prepared.execute))

@@ -27,6 +27,8 @@ class Meter:
         self.jobs_finished: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
         self._recent: deque[tuple[float, int]] = deque()
+        # The tokens in ``_recent``, kept as it changes: read every loop turn.
+        self._recent_tokens = 0
 
     def step(self, view: StepView | None, num_tokens: int) -> None:
         now = self.clock()
@@ -35,8 +37,9 @@ class Meter:
         if view is not None:
             self.batch_sizes[len(view.decodes) + len(view.prefills)] += 1
         self._recent.append((now, num_tokens))
+        self._recent_tokens += num_tokens
         while self._recent and self._recent[0][0] < now - WINDOW_S:
-            self._recent.popleft()
+            self._recent_tokens -= self._recent.popleft()[1]
 
     def finished(self, job: Job) -> None:
         self.jobs_finished[job.finish_reason.value if job.finish_reason else "unknown"] += 1
@@ -45,4 +48,4 @@ class Meter:
         if not self._recent:
             return 0.0
         span = max(self.clock() - self._recent[0][0], 1e-3)
-        return sum(n for _, n in self._recent) / span
+        return self._recent_tokens / span

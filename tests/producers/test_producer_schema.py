@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -135,6 +136,46 @@ def test_event_and_ids_round_trip(seq: int, text: str, token: int) -> None:
     assert seq_of(event_id(seq)) == seq and seq_of(event_id(seq).encode()) == seq
 
 
+_LOGPROBS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@given(
+    seq=st.integers(min_value=0, max_value=10**9),
+    index=st.one_of(st.none(), st.integers(min_value=0, max_value=16)),
+    token=st.one_of(st.none(), st.integers(min_value=0, max_value=2**31)),
+    text=st.text(max_size=20),
+    logprob=_LOGPROBS,
+    top=st.one_of(
+        st.none(),
+        st.lists(st.tuples(st.integers(min_value=0, max_value=2**31), st.floats()), max_size=3),
+    ),
+    prompt=st.one_of(
+        st.none(), st.lists(st.tuples(st.integers(min_value=0, max_value=99), _LOGPROBS))
+    ),
+)
+def test_token_events_encode_as_their_model_dump(
+    seq: int,
+    index: int | None,
+    token: int | None,
+    text: str,
+    logprob: float | None,
+    top: list[tuple[int, float]] | None,
+    prompt: list[tuple[int, float | None]] | None,
+) -> None:
+    """A daemon encodes token events field by field (one per job and step): the bytes
+    are the model's own JSON dump, whatever is set."""
+    event = Event(
+        seq=seq,
+        index=index,
+        token_id=token,
+        text=text,
+        logprob=logprob,
+        top_logprobs=top,
+        prompt_logprobs=prompt,
+    )
+    assert event.encode() == orjson.dumps(event.model_dump(mode="json", exclude_none=True))
+
+
 def test_sequence_events_round_trip_and_n1_events_do_not_change() -> None:
     token = Event(seq=4, index=2, token_id=7, text="x")
     ended = Choice(index=1, text="ab", finish_reason=FinishReason.length, completion_tokens=2)
@@ -169,6 +210,10 @@ def test_key_names() -> None:
         "p:job:j:tokens",
     )
     assert (keys.cancel, keys.dead, keys.daemon("c")) == ("p:cancel", "p:dead", "p:daemon:c")
+    for _ in range(2):  # a refused id is refused every time (names are cached, refusals not)
+        with pytest.raises(ValidationError, match="id"):
+            keys.events("a:b")
+    assert Keys("q").events("j") == "q:job:j:events"  # the cache holds names per prefix
 
 
 def test_committed_schema_is_current() -> None:

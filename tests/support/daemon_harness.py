@@ -71,6 +71,7 @@ class FakeGenerator(Generator):
 
     max_running: int = 8
     step_delay_s: float = 0.0
+    steps_use_cpu: bool = False
     running: list[_FakeSeq] = field(default_factory=list)
     waiting: list[_FakeSeq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)

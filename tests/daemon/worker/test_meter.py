@@ -1,0 +1,19 @@
+"""The daemon's running figures: tokens/s over the last WINDOW_S seconds only."""
+
+from __future__ import annotations
+
+from daemon.worker.metrics import WINDOW_S, Meter
+
+
+def test_tokens_per_s_counts_the_window_only() -> None:
+    now = [100.0]
+    meter = Meter(clock=lambda: now[0])
+    assert meter.tokens_per_s() == 0.0
+    for _ in range(10):  # 10 steps of 32 tokens, 0.5 s apart
+        meter.step(None, 32)
+        now[0] += 0.5
+    assert meter.tokens_per_s() == 320 / 5.0
+    now[0] += WINDOW_S - 2.0  # at 113 s: the steps before 103 s fall out of the window
+    meter.step(None, 8)
+    assert meter.tokens_per_s() == (4 * 32 + 8) / (now[0] - 103.0)
+    assert (meter.steps, meter.tokens) == (11, 328)
