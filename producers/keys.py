@@ -112,8 +112,15 @@ def seq_of(entry_id: bytes | str) -> int:
     return int(text.split("-", 1)[1]) - 1
 
 
-@lru_cache(maxsize=16384)
 def _job_key(prefix: str, job_id: str, suffix: str = "") -> str:
     """A job's key, its id checked. Cached: a daemon names each running job's three keys
-    every step (a refused id raises, and is not cached)."""
+    every step (a refused id raises, and is not cached; one that is not a string, which
+    may not be hashable, is refused before the cache)."""
+    if not isinstance(job_id, str):
+        check_name("id", job_id)
+    return _checked_job_key(prefix, job_id, suffix)
+
+
+@lru_cache(maxsize=16384)
+def _checked_job_key(prefix: str, job_id: str, suffix: str) -> str:
     return f"{prefix}:job:{check_name('id', job_id)}{suffix}"

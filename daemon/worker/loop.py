@@ -6,8 +6,8 @@ Each step's pipeline (its tokens, statuses and acks, plus the cancellation
 read and the intake read, see daemon.worker.intake) is one round trip. Where
 the engine computes off the CPU (a GPU), a thread of its own executes it
 while the next step runs, so a busy step waits for no round trip: step N's
-pipeline is in flight while step N+1 computes and is settled right after it,
-so jobs read and cancellations seen by it take effect at step N+2; only new
+pipeline is in flight while step N+1 computes and is settled right after it
+(jobs read and cancellations seen by it take effect at step N+2); only new
 jobs' pickup adds a round trip, and only an idle daemon blocks on Redis. An
 engine on the CPU (``Generator.steps_use_cpu``) keeps every core busy: there
 the loop waits for the replies between steps, as it does after short steps

@@ -213,6 +213,9 @@ def test_key_names() -> None:
     for _ in range(2):  # a refused id is refused every time (names are cached, refusals not)
         with pytest.raises(ValidationError, match="id"):
             keys.events("a:b")
+    for bad in (["j"], 7):  # not a string, hashable or not
+        with pytest.raises(ValidationError, match="id"):
+            keys.job(bad)  # type: ignore[arg-type]
     assert Keys("q").events("j") == "q:job:j:events"  # the cache holds names per prefix
 
 

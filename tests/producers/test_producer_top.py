@@ -18,7 +18,7 @@ import pytest
 
 from config import Settings, load_settings
 from daemon.cli import main
-from daemon.worker.generator import JobStart, Load, StepView, TokenOut
+from daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
 from daemon.worker.loop import Worker
 from producers.client import Client
 from producers.keys import CONSUMER_GROUP, Keys
@@ -28,7 +28,7 @@ from support.redis_server import RedisServer
 KEYS = Keys()
 
 
-class HoldingGenerator:
+class HoldingGenerator(Generator):
     """An engine stand-in under steady load: every job runs forever, one token per step."""
 
     def __init__(self) -> None:
