@@ -92,8 +92,6 @@ class Reply:
         if isinstance(raw, redis.ResponseError):
             noscript = isinstance(raw, redis.exceptions.NoScriptError)
             return cls(Outcome.refused, 0, str(raw), noscript=noscript)
-        if raw[0] == b"ok":  # the reply of nearly every append
-            return cls(Outcome.stored, int(raw[1]))
         outcome = Outcome(raw[0].decode())
         count = int(raw[1]) if len(raw) > 1 else 0
         error = raw[2].decode(errors="replace") if len(raw) > 2 else ""

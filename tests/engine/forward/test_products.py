@@ -7,7 +7,6 @@ import os
 import signal
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,8 +15,6 @@ import pytest
 
 import engine  # noqa: F401  (OpenBLAS before MLX)
 from engine.forward import native
-from engine.forward.kv_pool import KVPool
-from engine.forward.model_runner import ModelRunner
 from engine.forward.packed_model import pack_model
 from engine.models.loader import load
 
@@ -183,39 +180,3 @@ def test_pack_model_takes_float32_models_and_leaves_quantized_ones(
     assert packed.head.n == spec.vocab_size
     quantized = load(tiny_q4_model)
     assert pack_model(quantized.model, quantized.spec) is None
-
-
-def test_packed_runner_matches_mlx_lm_with_biases_and_a_traditional_rope(
-    tiny_model: Path,
-) -> None:
-    """Every bias the packing carries (q/k/v, o, gate/up, down) and RoPE over pairs
-    (2i, 2i + 1), as GGUF imports rotate: the packed forward's logits equal mlx-lm's."""
-    loaded = load(tiny_model)
-    rng = _rng(21)
-    spec = loaded.spec
-    for layer in loaded.model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            linear.bias = mx.array(rng.standard_normal(linear.weight.shape[0]).astype(np.float32))
-        for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            linear.bias = mx.array(rng.standard_normal(linear.weight.shape[0]).astype(np.float32))
-        attn.rope = nn.RoPE(spec.head_dim, traditional=True, base=10000.0)
-    pool = KVPool(spec, num_blocks=8, block_size=16)
-    runner = ModelRunner(loaded.model, spec, pool)
-    assert runner._packed is not None and runner._packed.rope_traditional
-    tokens = rng.integers(4, 1000, 21).tolist()
-    slots = list(range(len(tokens)))
-    logits = runner.execute([_Chunk(tokens, 0, slots, [0, 1], True)])
-    expected = np.array(loaded.model(mx.array(tokens)[None])[0, -1])
-    assert isinstance(logits, np.ndarray)
-    np.testing.assert_allclose(logits[0], expected, rtol=1e-4, atol=2e-4)
-
-
-class _Chunk(NamedTuple):
-    """A chunk as the runner reads it (its ChunkInput protocol)."""
-
-    token_ids: list[int]
-    start: int
-    slots: list[int]
-    block_table: list[int]
-    samples: bool

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -59,6 +60,27 @@ def _reference_logits(loaded: LoadedModel, tokens: list[int]) -> np.ndarray:
 
 def _tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(4, 1000, n).tolist()
+
+
+def test_packed_runner_matches_mlx_lm_with_biases_and_a_traditional_rope(
+    tiny_model: Path,
+) -> None:
+    """Every bias the packing carries (q/k/v, o, gate/up, down) and RoPE over pairs
+    (2i, 2i + 1), as GGUF imports rotate: the packed forward's logits equal mlx-lm's."""
+    model = load(tiny_model)  # its own copy: the biases and rope change it
+    rng = np.random.default_rng(21)
+    for layer in model.model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        for linear in (*projections, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            linear.bias = mx.array(rng.standard_normal(linear.weight.shape[0]).astype(np.float32))
+        attn.rope = nn.RoPE(model.spec.head_dim, traditional=True, base=10000.0)
+    runner = _runner(model)
+    assert runner._packed is not None and runner._packed.rope_traditional
+    tokens = rng.integers(4, 1000, 21).tolist()
+    logits = runner.execute([_chunk(tokens, 0, len(tokens), [0, 1], True)])
+    assert isinstance(logits, np.ndarray)
+    np.testing.assert_allclose(logits[0], _reference_logits(model, tokens), rtol=1e-4, atol=2e-4)
 
 
 def test_packed_batch_matches_full_forward(loaded: LoadedModel) -> None:
