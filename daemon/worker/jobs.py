@@ -121,6 +121,14 @@ class Job:
         """The final event and final status are stored: only the ack is left."""
         return self.ended and not self.unpublished and not self.status
 
+    @property
+    def urgent(self) -> bool:
+        """Its outbox holds what someone waits on: the first event (time to first token),
+        the final event; or, both stored, the ack that frees its place in the engine."""
+        if self.stored_final:
+            return True
+        return bool(self.unpublished) and (self.stored_events == 0 or self.unpublished[-1].final)
+
     def set_status(self, **fields: Any) -> None:
         """Queue status-hash fields for the next pipeline (values stored as strings)."""
         for key, value in fields.items():

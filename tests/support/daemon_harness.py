@@ -305,7 +305,8 @@ def crash_then_resume(
     published), a restarted daemon finishes it and is stopped with SIGTERM."""
     client = redis.Redis.from_url(redis_url)
     keys = Keys()
-    config = daemon_config(log_dir, redis_url)
+    # Every step published, so that the killed daemon stored exactly tokens 0..cut-1.
+    config = daemon_config(log_dir, redis_url, publish_interval_ms=0)
     enqueue(client, keys, job)
     crashed = DaemonProcess(
         config,
