@@ -64,12 +64,12 @@ def test_a_long_interval_sends_the_first_token_at_once_and_the_rest_with_the_end
     assert lengths.seen == {0, 1, 31}, sorted(lengths.seen)
 
 
-@pytest.mark.parametrize(("interval_ms", "at_least", "at_most"), [(0, 30, 41), (200, 3, 10)])
+@pytest.mark.parametrize(("interval_ms", "at_least", "at_most"), [(0, 30, 41), (200, 3, 14)])
 def test_tokens_between_first_and_last_go_out_at_most_every_interval(
     redis_server: RedisServer, interval_ms: int, at_least: int, at_most: int
 ) -> None:
-    """40 steps of 20 ms: the stream grows after each step, or about every 200 ms (and
-    with the first token and the end)."""
+    """40 steps of 20 ms or more: the stream grows after each step, or about every 200 ms
+    (and with the first token and the end; room for slow steps on a loaded machine)."""
     client = redis_server.client()
     settings = fast_settings(redis_server.url, publish_interval_ms=interval_ms)
     generator = partial(FakeGenerator, step_delay_s=0.02)
