@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from daemon.chaos.proxy import proxy_to
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
 from producers.keys import CONSUMER_GROUP
@@ -32,12 +34,14 @@ def test_entries_read_for_the_daemon_but_never_seen_are_picked_up(
         assert_all_done_once(client, jobs)
 
 
-def test_replies_lost_mid_run(redis_server: RedisServer) -> None:
-    """Replies of reads, steps, finishes and the heartbeat lost at random moments."""
+@pytest.mark.parametrize("interval_ms", [0, 30])
+def test_replies_lost_mid_run(redis_server: RedisServer, interval_ms: int) -> None:
+    """Replies of reads, steps, finishes and the heartbeat lost at random moments; with
+    a publish interval, also those of publishes carrying only urgent jobs."""
     client = redis_server.client()
     jobs = fake_jobs(8, prefix="lost", max_tokens=40)
     with proxy_to(redis_server.port) as proxy:
-        settings = fast_settings(proxy.url)
+        settings = fast_settings(proxy.url, publish_interval_ms=interval_ms)
         with worker_thread(settings, lambda: FakeGenerator(max_running=4, step_delay_s=0.01)):
             for job in jobs:
                 enqueue(client, KEYS, job)

@@ -24,11 +24,15 @@ def _started(client: redis.Redis, job_id: str) -> bool:
     return bool(client.xlen(KEYS.events(job_id)))
 
 
-def test_oom_with_noeviction_loses_nothing(redis_server: RedisServer) -> None:
+# 30 ms: the publish interval, so that the refusals also hit publishes of urgent jobs alone.
+@pytest.mark.parametrize("interval_ms", [0, 30])
+def test_oom_with_noeviction_loses_nothing(redis_server: RedisServer, interval_ms: int) -> None:
     client = redis_server.client()
     client.config_set("maxmemory-policy", "noeviction")
     jobs = fake_jobs(6, prefix="oom")
-    settings = fast_settings(redis_server.url, claim_interval_s=0.2)
+    settings = fast_settings(
+        redis_server.url, claim_interval_s=0.2, publish_interval_ms=interval_ms
+    )
     with worker_thread(settings, lambda: FakeGenerator(max_running=3, step_delay_s=0.01)) as w:
         for job in jobs:
             enqueue(client, KEYS, job)
