@@ -1,24 +1,23 @@
 """The daemon's loop: step, settle, intake, control, claims at their own interval, publish.
 
-Everything here runs on one thread, the engine thread (MLX streams are
-thread-local); the heartbeat has a thread (and a connection) of its own.
-Each step's pipeline (its tokens, statuses and acks, plus the cancellation
-read and the intake read, see daemon.worker.intake) is one round trip. Where
-the engine computes off the CPU (a GPU), a thread of its own executes it
-while the next step runs, so a busy step waits for no round trip: step N's
-pipeline is in flight while step N+1 computes and is settled right after it
-(jobs read and cancellations seen by it take effect at step N+2); only new
-jobs' pickup adds a round trip, and only an idle daemon blocks on Redis. An
-engine on the CPU (``Generator.steps_use_cpu``) keeps every core busy: there
-the loop waits for the replies between steps, as it does after short steps
-(OVERLAP_MIN_STEP_S) and while idle. (Run beside the step, the pipeline's
-Python, Redis running it and the subscribers it wakes take cores from the
-engine's threads mid-step, which wait for each other: on 2 cores that cost
-the daemon more than the round trip it hid, see README.) No Redis command of
-this thread runs while a pipeline is in flight, so Redis sees the daemon's
-commands in the order of a loop that waits for every reply. While busy, every job's
-outbox goes out at most each ``daemon.publish_interval_ms`` (unset: CPU_PUBLISH_INTERVAL_MS
-on the CPU, else every step); between, only outboxes someone waits on (Job.urgent).
+Everything here runs on one thread, the engine thread (MLX streams are thread-local);
+the heartbeat has a thread (and a connection) of its own. A publish (the jobs' tokens,
+statuses and acks, plus the cancellation read and the intake read, see
+daemon.worker.intake) is one pipeline, one round trip. Where the engine computes off the
+CPU (a GPU), a thread of its own executes it while the next step runs, so a busy step
+waits for no round trip: step N's pipeline is in flight while step N+1 computes and is
+settled right after it (jobs read and cancellations seen by it take effect at step N+2);
+only new jobs' pickup adds a round trip, and only an idle daemon blocks on Redis. An
+engine on the CPU (``Generator.steps_use_cpu``) keeps every core busy: there the loop
+waits for the replies between steps, as it does after short steps (OVERLAP_MIN_STEP_S)
+and while idle. (Run beside the step, the pipeline's Python, Redis running it and the
+subscribers it wakes take cores from the engine's threads mid-step, which wait for each
+other: on 2 cores that cost the daemon more than the round trip it hid, see README.) No
+Redis command of this thread runs while a pipeline is in flight, so Redis sees the
+daemon's commands in the order of a loop that waits for every reply. While busy, every
+job's outbox goes out at most each ``daemon.publish_interval_ms`` (unset:
+CPU_PUBLISH_INTERVAL_MS on the CPU, else every step); between, only outboxes someone
+waits on (Job.urgent).
 Signals set a flag: intake stops, running jobs get the grace period to
 finish, the rest stay pending in the group (their published events are the
 checkpoint), and ``run`` returns.
@@ -76,7 +75,7 @@ OVERLAP_MIN_STEP_S = 0.010
 # publish stops the engine for its round trip (~1 ms for 32 jobs on 2 cores, Redis's
 # script runs included), and Redis and the followers it wakes take cores from the next
 # step, so tokens between a job's first and last go out at most this often. bench-small
-# (25 ms steps) through Redis: 0.978x in-process against 0.918x publishing every step
+# (15-25 ms steps) through Redis: 0.978x in-process against 0.918x publishing every step
 # (medians of 6 alternating queue rounds); steps of 50 ms or more publish as before.
 CPU_PUBLISH_INTERVAL_MS = 50
 
