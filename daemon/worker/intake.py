@@ -34,13 +34,16 @@ class Intake:
         self.count = 0
         self.failure: redis.ResponseError | None = None
         self._read: list[Delivery] = []
+        # The last read took all it asked for of some queue, so more may be waiting there:
+        # a finished job's ack (which makes room) should not wait for the publish interval.
+        self.backlog = False
 
     def read(self, client: redis.Redis, *, count: int, block_ms: int | None) -> None:
         """Read on its own (an idle daemon, blocking up to ``block_ms``)."""
         reply: Any = client.xreadgroup(
             CONSUMER_GROUP, self.consumer, self.streams, count=count, block=block_ms
         )
-        self._collect(reply)
+        self._collect(reply, count)
 
     def queue(self, pipe: Pipeline) -> None:
         pipe.xreadgroup(CONSUMER_GROUP, self.consumer, self.streams, count=self.count)
@@ -50,7 +53,7 @@ class Intake:
             # Raised by the worker's next intake, where a missing group is recreated.
             self.failure = result
             return
-        self._collect(result)
+        self._collect(result, self.count)
 
     def take(self) -> list[Delivery]:
         """Every delivery read and not yet picked up, put-back ones first."""
@@ -71,8 +74,11 @@ class Intake:
         if failure is not None:
             raise failure
 
-    def _collect(self, reply: Any) -> None:
+    def _collect(self, reply: Any, count: int) -> None:
+        """Note the deliveries; ``count`` is what the read asked for of each queue."""
+        self.backlog = False
         for stream, entries in reply or []:
+            self.backlog = self.backlog or len(entries) >= count
             queue = stream.decode().removeprefix(self.stream_prefix)
             self._read += [
                 Delivery(queue, entry_id.decode(), fields) for entry_id, fields in entries

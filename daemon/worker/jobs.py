@@ -123,10 +123,9 @@ class Job:
 
     @property
     def urgent(self) -> bool:
-        """Its outbox holds what someone waits on: the first event (time to first token),
-        the final event; or, both stored, the ack that frees its place in the engine."""
-        if self.stored_final:
-            return True
+        """Its outbox holds what someone waits on: the first event (time to first token)
+        or the final event. (The ack left once both are stored waits on nobody, unless
+        jobs wait for the room it frees: see ``Worker._due``.)"""
         return bool(self.unpublished) and (self.stored_events == 0 or self.unpublished[-1].final)
 
     def set_status(self, **fields: Any) -> None:

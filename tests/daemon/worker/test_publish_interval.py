@@ -115,7 +115,53 @@ def test_urgent_outboxes() -> None:
     job.unpublished.clear()
     job.stored_events = 3
     job.status.clear()
-    assert job.stored_final and job.urgent  # the ack, which frees the job's place
+    assert job.stored_final and not job.urgent  # the ack alone: see the two tests below
+
+
+def _pending(client: redis.Redis) -> int:
+    return int(client.xpending(KEYS.queue("default"), "batchd")["pending"])
+
+
+def test_an_ack_waits_for_the_interval_while_nothing_waits_for_its_room(
+    redis_server: RedisServer,
+) -> None:
+    """A short job ends beside a long one: its final event is stored at once, its ack
+    (no one waits for the room it frees) with the long job's end, not a publish of its
+    own; once the engine is idle everything goes out."""
+    client = redis_server.client()
+    settings = fast_settings(redis_server.url, publish_interval_ms=60_000)
+    generator = partial(FakeGenerator, step_delay_s=0.02)
+    with worker_thread(settings, generator):
+        enqueue(client, KEYS, {"id": "long", "prompt_token_ids": PROMPT, "max_tokens": 40})
+        enqueue(client, KEYS, {"id": "short", "prompt_token_ids": PROMPT, "max_tokens": 3})
+        wait_final(client, KEYS, ["short"])
+        time.sleep(0.2)  # ten more steps of the long job
+        assert client.xlen(KEYS.events("long")) == 1  # its first token only: still running
+        assert _pending(client) == 2  # the short job's ack waits
+        wait_final(client, KEYS, ["long"])
+        deadline = time.monotonic() + 5
+        while _pending(client) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert _pending(client) == 0
+
+
+def test_an_ack_goes_at_once_while_jobs_wait_for_its_room(redis_server: RedisServer) -> None:
+    """Room for two jobs, a long one and four short ones queued: each short job's ack
+    (with the read that takes the next one) goes out when it is stored, so the short
+    jobs run one after another beside the long one instead of after it."""
+    client = redis_server.client()
+    settings = fast_settings(redis_server.url, publish_interval_ms=60_000, intake_buffer=0)
+    settings.engine.max_num_seqs = 2
+    generator = partial(FakeGenerator, step_delay_s=0.02)
+    short = [f"s{i}" for i in range(4)]
+    with worker_thread(settings, generator):
+        enqueue(client, KEYS, {"id": "long", "prompt_token_ids": PROMPT, "max_tokens": 60})
+        for job_id in short:
+            enqueue(client, KEYS, {"id": job_id, "prompt_token_ids": PROMPT, "max_tokens": 3})
+        wait_final(client, KEYS, short)
+        # ~4 steps each, 16 of the long job's 60: it is still running.
+        assert client.xlen(KEYS.events("long")) == 1
+        wait_final(client, KEYS, ["long"])
 
 
 @pytest.mark.parametrize(("on_cpu", "interval_s"), [(True, 0.05), (False, 0.0)])
