@@ -27,6 +27,7 @@ cpu``): the two processes that share the machine with the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from daemon.bench.stats import Recorder, RunStats
 from daemon.bench.systems import BATCHD, Systems, SystemUnavailable, longest_request
 from daemon.bench.workloads import Workload
 from producers.client import Client, follow
+from producers.errors import BatchdError
 
 _SERVE_MODULE = "daemon.commands.serve"
 _QUEUE = "bench"
@@ -208,23 +211,36 @@ def _run_through_daemon(
         with log_path.open("wb") as log:
             daemon = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(conn, prefix, daemon, log_path)
-            client = Client(redis_url, prefix=prefix, queue=_QUEUE)
-            warm = systems.warmup_for(workload)
-            progress.phase(f"{workload.name} / batchd through Redis (warm-up)")
-            _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
-            progress.phase(f"{workload.name} / batchd through Redis")
-            recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
-            # The submitting and following client and Redis share the machine with the daemon.
-            cpu, server = time.process_time(), _redis_cpu_s(conn)
-            stats = _submit_and_follow(client, workload, recorder)
-            cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
-            client.close()
+            with _failures_end_the_run():
+                _wait_ready(conn, prefix, daemon, log_path)
+                client = Client(redis_url, prefix=prefix, queue=_QUEUE)
+                warm = systems.warmup_for(workload)
+                progress.phase(f"{workload.name} / batchd through Redis (warm-up)")
+                _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
+                progress.phase(f"{workload.name} / batchd through Redis")
+                recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
+                # The submitting and following client and Redis share the machine with the daemon.
+                cpu, server = time.process_time(), _redis_cpu_s(conn)
+                stats = _submit_and_follow(client, workload, recorder)
+                cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
+                client.close()
         finally:
             _stop(daemon)
-            _delete_prefix(conn, prefix)
+            _delete_prefix(conn, prefix, progress)
             conn.close()
     return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": server}
+
+
+@contextlib.contextmanager
+def _failures_end_the_run() -> Iterator[None]:
+    """Redis gone or refusing mid-run, or a job failing: QueueUnavailable, so the queue
+    is reported as not available and the other workloads' figures still count."""
+    try:
+        yield
+    except (redis.RedisError, BatchdError) as exc:
+        raise QueueUnavailable(
+            f"not available: the run through Redis failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _redis_cpu_s(conn: redis.Redis) -> float | None:
@@ -291,7 +307,12 @@ def _stop(daemon: subprocess.Popen[bytes]) -> None:
         daemon.wait()
 
 
-def _delete_prefix(conn: redis.Redis, prefix: str) -> None:
-    keys = list(conn.scan_iter(match=f"{prefix}:*", count=1000))
-    for start in range(0, len(keys), 500):
-        conn.delete(*keys[start : start + 500])
+def _delete_prefix(conn: redis.Redis, prefix: str, progress: Progress) -> None:
+    """Best effort: a Redis that is gone or refuses keeps the round's keys, and says so
+    rather than hiding the run's own outcome."""
+    try:
+        keys = list(conn.scan_iter(match=f"{prefix}:*", count=1000))
+        for start in range(0, len(keys), 500):
+            conn.delete(*keys[start : start + 500])
+    except redis.RedisError as exc:
+        progress.say(f"queue: could not delete the keys {prefix}:* ({exc}); delete them by hand")

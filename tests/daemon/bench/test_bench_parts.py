@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -9,12 +10,16 @@ import pytest
 import redis
 
 from daemon.bench.limit import ModelFlops
+from daemon.bench.progress import Progress
 from daemon.bench.queue import (
     MAX_ROUNDS,
     MIN_ROUNDS,
     ROUNDS_BUDGET_S,
+    QueueUnavailable,
     _another_round,
     _compare,
+    _delete_prefix,
+    _failures_end_the_run,
     _redis_cpu_s,
     _spent,
 )
@@ -171,3 +176,34 @@ def test_redis_cpu_time_is_left_out_where_it_cannot_be_read(tmp_path: Path) -> N
     assert _spent(1.0, 1.25) == 0.25
     assert _spent(5.0, 0.2) is None  # the counters started over
     assert _spent(None, 1.0) is None
+
+
+def test_redis_failing_mid_run_ends_the_queue_run_alone(tmp_path: Path) -> None:
+    """On a real redis-server: a refused command (NOPERM) and then a Redis that is gone,
+    while the queue workload runs, make it "not available" (the full run still writes
+    its report); cleaning the round's keys is best effort and says what it left."""
+    server = RedisServer(tmp_path).start()
+    said = io.StringIO()
+    progress = Progress(stream=said)
+    try:
+        admin = server.client()
+        admin.set("round-1:job:a", "x")
+        admin.set("round-2:job:b", "x")
+        _delete_prefix(admin, "round-1", progress)
+        assert admin.keys("*") == [b"round-2:job:b"]
+        admin.acl_setuser(
+            "nodel", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-del"]
+        )
+        url = server.url.replace("redis://", "redis://nodel:pw@")
+        with (
+            redis.Redis.from_url(url) as refused,
+            pytest.raises(QueueUnavailable, match="NoPermissionError"),
+        ):
+            with _failures_end_the_run():
+                refused.delete("round-2:job:b")
+    finally:
+        server.kill()
+    with pytest.raises(QueueUnavailable, match="ConnectionError"), _failures_end_the_run():
+        admin.ping()
+    _delete_prefix(admin, "round-2", progress)
+    assert "could not delete the keys round-2:*" in said.getvalue()
