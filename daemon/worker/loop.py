@@ -301,11 +301,12 @@ class Worker:
         once."""
         if not self.backoff.ready():
             return
-        jobs = self._due()
+        working = self.gen.has_work()
+        jobs = self._due(working)
         if jobs is None:
             return
         extras: list[Piggyback] = [self.cancels]
-        busy = bool(self.jobs) or self.gen.has_work()
+        busy = bool(self.jobs) or working
         room = self._room(ending_now=True)
         if busy and room > 0 and not self.stopping and not self.backoff.down:
             self.intake_reader.count = room
@@ -323,16 +324,16 @@ class Worker:
             return
         self._in_flight = (prepared, self._publishing.submit(prepared.execute))
 
-    def _due(self) -> Collection[Job] | None:
+    def _due(self, working: bool) -> Collection[Job] | None:
         """The jobs this publish sends: every job once the publish interval has passed
-        since the last publish of all of them, or while the engine has nothing to step;
-        else the urgent ones (Job.urgent) with the acks left to send, or None when none
-        is urgent. An ack alone is urgent only while the last intake read left entries
-        waiting, for the room it frees. Only a publish of every job restarts the
-        interval, so jobs that end often never hold the others back."""
+        since the last publish of all of them, or while the engine has nothing to step
+        (not ``working``); else the urgent ones (Job.urgent) with the acks left to send,
+        or None when none is urgent. An ack alone is urgent only while the last intake
+        read left entries waiting, for the room it frees. Only a publish of every job
+        restarts the interval, so jobs that end often never hold the others back."""
         now = time.monotonic()
         interval_passed = now - self.published_all_at >= self.publish_interval_s
-        if not self.jobs or interval_passed or not self.gen.has_work():
+        if not self.jobs or interval_passed or not working:
             self.published_all_at = now
             return self.jobs.values()
         due = [job for job in self.jobs.values() if job.urgent or job.stored_final]

@@ -198,9 +198,9 @@ def test_redis_failing_mid_run_ends_the_queue_run_alone(tmp_path: Path) -> None:
         with (
             redis.Redis.from_url(url) as refused,
             pytest.raises(QueueUnavailable, match="NoPermissionError"),
+            _failures_end_the_run(),
         ):
-            with _failures_end_the_run():
-                refused.delete("round-2:job:b")
+            refused.delete("round-2:job:b")
     finally:
         server.kill()
     with pytest.raises(QueueUnavailable, match="ConnectionError"), _failures_end_the_run():
