@@ -68,7 +68,12 @@ class LLMEngine:
         )
         self.pool = KVPool(loaded.spec, num_blocks=num_blocks, block_size=config.block_size)
         self.runner = ModelRunner(loaded.model, loaded.spec, self.pool)
-        self.scheduler = Scheduler(config, num_blocks=num_blocks, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(
+            config,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            row_tile=self.runner.row_tile,
+        )
         self.eos_token_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
         self.grammar_tokenizer = GrammarTokenizer(
             self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids

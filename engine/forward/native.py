@@ -152,6 +152,8 @@ def _library() -> ctypes.CDLL | None:
     rope_fn.restype = c_int
     library.batchd_panel_width.argtypes = []
     library.batchd_panel_width.restype = c_int
+    library.batchd_tile_rows.argtypes = []
+    library.batchd_tile_rows.restype = c_int
     return library
 
 
@@ -246,6 +248,12 @@ def _check_float32(name: str, array: np.ndarray, ndim: int) -> None:
 def panel_width() -> int:
     """Columns in a panel of packed weights (twice the CPU's float vector width)."""
     return int(_loaded().batchd_panel_width())
+
+
+def tile_rows() -> int:
+    """Rows :func:`product` computes in one pass over a panel (8 with 16-float vectors,
+    6 with 8-float ones): a product of fewer rows costs about as much as a full tile."""
+    return int(_loaded().batchd_tile_rows())
 
 
 @dataclass(frozen=True)

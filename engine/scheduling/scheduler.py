@@ -14,7 +14,10 @@ While any sequence decodes, the prefill chunks of steps 2 and 3 share at most
 `max_prefill_tokens_with_decodes` tokens when that is set: a step's time
 grows with its prefill tokens and every decode waits for the whole step, so
 the bound trades time to first token for even inter-token latency. With no
-decode running, prefill gets the whole budget.
+decode running, prefill gets the whole budget. The model runner computes rows
+in tiles (`row_tile`): with `prefill_fills_row_tile` the bound is raised so
+the step's rows fill the tile its decodes and bounded prefill reach, since
+rows up to the tile's end cost little more.
 
 Queue order is effective priority, `priority + aging_rate * seconds since
 arrival`, highest first, FIFO within a tie. Since every waiting sequence ages
@@ -61,10 +64,14 @@ class Scheduler:
         *,
         num_blocks: int,
         max_model_len: int,
+        row_tile: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if row_tile < 1:
+            raise ValueError(f"row_tile must be >= 1, got {row_tile}")
         self.config = config
         self.max_model_len = max_model_len
+        self.row_tile = row_tile
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -158,7 +165,8 @@ class Scheduler:
         prefills = [s for s in ranked if s.num_tokens - s.num_computed_tokens > 1]
         bound = self.config.max_prefill_tokens_with_decodes
         if decodes and bound is not None:
-            step.bound_prefill(bound)  # every decode waits for this step's prefill work
+            # every decode waits for this step's prefill work
+            step.bound_prefill(self._prefill_bound(len(decodes), bound))
         for seq in decodes + prefills:
             if not seq.is_running:
                 continue  # preempted earlier in this step
@@ -198,6 +206,14 @@ class Scheduler:
                 seq.append_token(sampled[seq.seq_id])
 
     # -- internals -------------------------------------------------------------------------
+
+    def _prefill_bound(self, num_decodes: int, bound: int) -> int:
+        """Prefill tokens allowed beside ``num_decodes`` decodes: ``bound``, raised (with
+        prefill_fills_row_tile) until the step's rows end where a row tile ends."""
+        if not self.config.prefill_fills_row_tile:
+            return bound
+        rows = -(-(num_decodes + bound) // self.row_tile) * self.row_tile
+        return rows - num_decodes
 
     def _check_fits(self, seq: Sequence) -> None:
         prompt, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens

@@ -80,6 +80,33 @@ def test_parity_chunked_prefill(arch: str, request: pytest.FixtureRequest) -> No
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_parity_with_a_prefill_bound_filling_the_row_tile(
+    arch: str, request: pytest.FixtureRequest
+) -> None:
+    loaded, ref = request.getfixturevalue(arch)
+    reqs = random_requests(24, seed=4, vocab=VOCAB)
+    eng = _engine(loaded, max_prefill_tokens_with_decodes=2)
+    mixes: set[tuple[int, int]] = set()
+    original_step = eng.step
+
+    def recording_step() -> list:  # type: ignore[type-arg]
+        result = original_step()
+        stats = eng.last_step_stats
+        if stats.num_decode_tokens and stats.num_prefill_tokens:
+            mixes.add((stats.num_decode_tokens, stats.num_prefill_tokens))
+        return result
+
+    eng.step = recording_step  # type: ignore[method-assign]
+    outputs = run_engine(eng, reqs, waves=6, gap=3)
+    tile = eng.scheduler.row_tile
+    assert tile == eng.runner.row_tile
+    if tile > 1:  # rows beyond the bound of 2 went into steps with decodes
+        assert any(prefill > 2 for _, prefill in mixes), mixes
+    assert all(p <= -(-(d + 2) // tile) * tile - d for d, p in mixes), mixes
+    check_parity(ref, reqs, outputs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_parity_with_prefix_cache_hits(arch: str, request: pytest.FixtureRequest) -> None:
     loaded, ref = request.getfixturevalue(arch)
     reqs = shared_prefix_requests(32, seed=2, vocab=VOCAB)

@@ -206,6 +206,18 @@ def test_cpu_weight_layout_changes_no_result(
         assert np.array_equal(np.array(hidden @ tied), np.array(embed.as_linear(hidden)))
 
 
+def test_row_tile_is_what_the_products_compute_together(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C products' tile (8 rows with 16-float vectors, 6 with 8-float ones), else
+    the rows MLX's CPU products are padded to."""
+    if not native.products_enabled():
+        pytest.skip("no C compiler here: the packed products cannot be built")
+    assert _runner(loaded).row_tile == native.tile_rows() == {32: 8, 16: 6}[native.panel_width()]
+    monkeypatch.setenv(native.PRODUCTS_DISABLE_ENV, "0")
+    assert _runner(loaded).row_tile == ROW_MULTIPLE
+
+
 def test_fast_exp_is_accurate_and_zero_weights_masked() -> None:
     x = mx.array(np.linspace(-87, 88, 200_001, dtype=np.float32))
     ref = np.exp(np.array(x, dtype=np.float64))

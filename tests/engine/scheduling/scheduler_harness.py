@@ -34,12 +34,17 @@ def make_scheduler(
     num_blocks: int = 64,
     max_model_len: int = 1024,
     clock: FakeClock | None = None,
+    row_tile: int = 1,
     **options: object,
 ) -> Scheduler:
     """A small scheduler (4 running at most, aging off unless asked) on a fake clock."""
     config = EngineConfig(**{"aging_rate": 0.0, "max_num_seqs": 4, **options})  # type: ignore[arg-type]
     return Scheduler(
-        config, num_blocks=num_blocks, max_model_len=max_model_len, clock=clock or FakeClock()
+        config,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        row_tile=row_tile,
+        clock=clock or FakeClock(),
     )
 
 

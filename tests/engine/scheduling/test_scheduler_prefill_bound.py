@@ -1,5 +1,6 @@
 """max_prefill_tokens_with_decodes: exact schedules with the prefill bound, which applies only
-while some sequence decodes, is shared by continuing chunks and admissions, and is validated."""
+while some sequence decodes, is shared by continuing chunks and admissions, is raised to fill
+the runner's row tile (prefill_fills_row_tile), and is validated."""
 
 from __future__ import annotations
 
@@ -58,6 +59,56 @@ def test_a_bound_above_the_budget_changes_nothing() -> None:
     assert schedules[0][1] == [("a", 2, 1), ("b", 6, 7)]
 
 
+def test_the_bound_is_raised_to_fill_the_row_tile() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32, max_prefill_tokens_with_decodes=4, row_tile=8)
+    sched.add(seq("a", 2, max_tokens=8, at=0))
+    assert step(sched) == [("a", 0, 2)]
+    sched.add(seq("b", 40, max_tokens=2, at=1))
+    # 1 decode + 4 prefill rows reach the first tile of 8: prefill takes 7.
+    assert step(sched) == [("a", 2, 1), ("b", 0, 7)]
+    sched.add(seq("c", 2, max_tokens=8, at=2))
+    sched.add(seq("d", 2, max_tokens=8, at=3))
+    assert step(sched) == [("a", 3, 1), ("b", 7, 7)]
+    assert step(sched) == [("a", 4, 1), ("b", 14, 7)]
+    assert step(sched) == [("a", 5, 1), ("b", 21, 7)]
+    assert step(sched) == [("a", 6, 1), ("b", 28, 7)]
+    # b's last 5 tokens leave 2 for c and d's admission (2 tokens each, one gets them).
+    assert step(sched) == [("a", 7, 1), ("b", 35, 5), ("c", 0, 2)]
+
+
+def test_decodes_past_a_tile_fill_the_next_one() -> None:
+    sched = make_scheduler(
+        max_num_batched_tokens=64, max_num_seqs=8, max_prefill_tokens_with_decodes=4, row_tile=8
+    )
+    for i in range(6):
+        sched.add(seq(f"d{i}", 1, max_tokens=8, at=i))
+    assert [n for _, _, n in step(sched)] == [1] * 6
+    sched.add(seq("p", 40, max_tokens=2, at=9))
+    # 6 decodes + 4 prefill rows = 10: the second tile ends at 16, so prefill takes 10.
+    assert step(sched)[-1] == ("p", 0, 10)
+
+
+@pytest.mark.parametrize(
+    ("row_tile", "fill", "expected"), [(8, False, 4), (1, True, 4), (6, True, 5)]
+)
+def test_the_bound_as_set_without_a_tile_to_fill(row_tile: int, fill: bool, expected: int) -> None:
+    sched = make_scheduler(
+        max_num_batched_tokens=32,
+        max_prefill_tokens_with_decodes=4,
+        prefill_fills_row_tile=fill,
+        row_tile=row_tile,
+    )
+    sched.add(seq("a", 2, max_tokens=8))
+    step(sched)
+    sched.add(seq("b", 40, max_tokens=2))
+    assert step(sched) == [("a", 2, 1), ("b", 0, expected)]
+
+
+def test_row_tile_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"row_tile must be >= 1, got 0"):
+        make_scheduler(row_tile=0)
+
+
 @pytest.mark.parametrize("bound", [0, -1, True, 2.5])
 def test_bound_must_be_a_positive_int(bound: object) -> None:
     with pytest.raises(ValueError, match=r"max_prefill_tokens_with_decodes must be None or >= 1"):
@@ -73,3 +124,5 @@ def test_the_daemon_setting_reaches_the_engine_config() -> None:
     settings = Settings(engine={"max_prefill_tokens_with_decodes": 48})
     assert settings.engine.max_prefill_tokens_with_decodes == 48
     assert Settings().engine.max_prefill_tokens_with_decodes is None
+    assert Settings(engine={"prefill_fills_row_tile": False}).engine.prefill_fills_row_tile is False
+    assert Settings().engine.prefill_fills_row_tile is True
