@@ -16,6 +16,7 @@ def bench_engine_config(
     longest_request: int,
     block_size: int = 16,
     max_prefill_tokens_with_decodes: int | None = None,
+    prefill_fills_row_tile: bool = True,
 ) -> EngineConfig:
     """The engine's settings for a run: a KV pool that holds every running sequence whole.
 
@@ -28,6 +29,7 @@ def bench_engine_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
         max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
+        prefill_fills_row_tile=prefill_fills_row_tile,
         block_size=block_size,
         num_kv_blocks=max_num_seqs * blocks_per_seq + 64,
     )

@@ -179,6 +179,7 @@ def _daemon_env(
         max_num_batched_tokens=s.max_num_batched_tokens,
         longest_request=longest,
         max_prefill_tokens_with_decodes=s.max_prefill_tokens_with_decodes,
+        prefill_fills_row_tile=s.prefill_fills_row_tile,
     )
     # Every engine option, so both engines match field by field.
     engine_env = {

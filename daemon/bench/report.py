@@ -45,6 +45,9 @@ def markdown(report: dict[str, Any]) -> str:
         if set(report["workloads"]) - set(LATENCY_WORKLOADS)
         else ""
     )
+    # Reports from before the setting existed do not name it.
+    if "prefill_fills_row_tile" in s:
+        bound += f"prefill_fills_row_tile {'on' if s['prefill_fills_row_tile'] else 'off'}, "
     lines = [
         "# batchd bench",
         "",

@@ -74,6 +74,7 @@ class BenchOptions:
     online_load: float = 0.9
     max_prefill_tokens_with_decodes: int | None = None
     online_max_prefill_tokens_with_decodes: int | None = ONLINE_MAX_PREFILL_TOKENS
+    prefill_fills_row_tile: bool = True
     sweep_bounds: tuple[int | None, ...] = DEFAULT_BOUNDS
     sweep_rounds: int = DEFAULT_ROUNDS
     queue_rounds: int | None = None  # None: as many as daemon.bench.queue's time budget allows
@@ -119,6 +120,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             vocab_size=config["vocab_size"],
             max_prefill_tokens_with_decodes=options.max_prefill_tokens_with_decodes,
             online_max_prefill_tokens_with_decodes=options.online_max_prefill_tokens_with_decodes,
+            prefill_fills_row_tile=options.prefill_fills_row_tile,
         ),
         progress,
     )
@@ -133,6 +135,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "online_max_prefill_tokens_with_decodes": (
                 options.online_max_prefill_tokens_with_decodes
             ),
+            "prefill_fills_row_tile": options.prefill_fills_row_tile,
             "scale": options.scale.name,
             "seed": options.seed,
             "workloads": list(options.workloads),

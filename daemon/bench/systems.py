@@ -56,6 +56,7 @@ class SystemSettings:
     vocab_size: int
     max_prefill_tokens_with_decodes: int | None = None
     online_max_prefill_tokens_with_decodes: int | None = None
+    prefill_fills_row_tile: bool = True
 
 
 class Systems:
@@ -91,6 +92,7 @@ class Systems:
             max_num_batched_tokens=self.settings.max_num_batched_tokens,
             longest_request=longest_request,
             max_prefill_tokens_with_decodes=prefill_bound,
+            prefill_fills_row_tile=self.settings.prefill_fills_row_tile,
         )
         return BatchdSystem(self.settings.model_path, config)
 

@@ -173,6 +173,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         seed=args.seed,
         max_prefill_tokens_with_decodes=settings.engine.max_prefill_tokens_with_decodes,
         online_max_prefill_tokens_with_decodes=online_bound,
+        prefill_fills_row_tile=settings.engine.prefill_fills_row_tile,
         sweep_bounds=args.sweep_bounds or DEFAULT_BOUNDS,
         sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
         queue_rounds=args.queue_rounds,

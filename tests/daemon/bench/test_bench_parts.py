@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from config.settings import Settings
 from daemon.bench.limit import ModelFlops
 from daemon.bench.progress import Progress
 from daemon.bench.queue import (
@@ -18,6 +19,7 @@ from daemon.bench.queue import (
     QueueUnavailable,
     _another_round,
     _compare,
+    _daemon_env,
     _delete_prefix,
     _failures_end_the_run,
     _redis_cpu_s,
@@ -25,6 +27,7 @@ from daemon.bench.queue import (
 )
 from daemon.bench.report import _queue_line
 from daemon.bench.stats import Recorder, step_profile
+from daemon.bench.systems import SystemSettings
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.models.model_fixture import PRESETS
 from engine.outputs import StepStats
@@ -207,3 +210,28 @@ def test_redis_failing_mid_run_ends_the_queue_run_alone(tmp_path: Path) -> None:
         admin.ping()
     _delete_prefix(admin, "round-2", progress)
     assert "could not delete the keys round-2:*" in said.getvalue()
+
+
+def test_the_queue_daemon_gets_the_in_process_engine_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Field by field, the row-tile switch included: both sides must run the same schedule."""
+    settings = SystemSettings(
+        model_path=Path("unused"),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        scale=SCALES["tiny"],
+        vocab_size=1000,
+        max_prefill_tokens_with_decodes=4,
+        prefill_fills_row_tile=False,
+    )
+    workload = mixed(scale=SCALES["tiny"], vocab_size=1000)
+    systems = type("Systems", (), {"settings": settings, "warmup_for": lambda self, w: w})()
+    env = _daemon_env(systems, workload, "redis://127.0.0.1:1/0", "prefix")  # type: ignore[arg-type]
+    for name, value in env.items():
+        if name.startswith("BATCHD_ENGINE__"):
+            monkeypatch.setenv(name, value)
+    engine = Settings().engine
+    assert engine.prefill_fills_row_tile is False
+    assert engine.max_prefill_tokens_with_decodes == 4
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (8, 64)

@@ -70,6 +70,8 @@ def test_settings_and_machine_are_recorded(bench_run: BenchRun) -> None:
     # Online runs batchd with the latency setting; the throughput workloads with the engine's.
     assert report["settings"]["online_max_prefill_tokens_with_decodes"] == 4
     assert report["settings"]["max_prefill_tokens_with_decodes"] is None
+    assert report["settings"]["prefill_fills_row_tile"] is True
+    assert "prefill_fills_row_tile on" in (bench_run.out / "report.md").read_text()
     assert "--online-max-prefill-tokens 4" in report["settings"]["command"]
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["mlx"] and machine["blas"]
