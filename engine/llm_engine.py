@@ -72,7 +72,7 @@ class LLMEngine:
             config,
             num_blocks=num_blocks,
             max_model_len=self.max_model_len,
-            row_tile=self.runner.row_tile,
+            computed_rows=self.runner.computed_rows,
         )
         self.eos_token_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
         self.grammar_tokenizer = GrammarTokenizer(

@@ -159,12 +159,15 @@ class ModelRunner:
             self._row_multiple = 1
         fast_math.tune_malloc()
 
-    @property
-    def row_tile(self) -> int:
-        """Rows the linear layers compute together: a step whose rows end inside a tile
-        costs about as much as one that fills it (the C products' row tile, else the
-        padding of MLX's CPU products; 1 where nothing is known, as on a GPU)."""
-        return native.tile_rows() if self._packed is not None else self._row_multiple
+    def computed_rows(self, n: int) -> int:
+        """Rows the linear layers compute for a step of ``n`` tokens: ``n`` rounded up to
+        the C products' row tile, or to the padding of MLX's CPU products from
+        _MIN_PADDED rows up; ``n`` where nothing is known (a GPU). A step costs about as
+        much as one of that many tokens."""
+        if self._packed is not None:
+            tile = native.tile_rows()
+            return -(-n // tile) * tile
+        return padded_rows(n, self._row_multiple)
 
     def _lane_streams(self) -> list[mx.Stream]:
         """This thread's attention streams (MLX streams are thread-local)."""

@@ -15,9 +15,9 @@ While any sequence decodes, the prefill chunks of steps 2 and 3 share at most
 grows with its prefill tokens and every decode waits for the whole step, so
 the bound trades time to first token for even inter-token latency. With no
 decode running, prefill gets the whole budget. The model runner computes rows
-in tiles (`row_tile`): with `prefill_fills_row_tile` the bound is raised so
-the step's rows fill the tile its decodes and bounded prefill reach, since
-rows up to the tile's end cost little more.
+in tiles (`computed_rows`): with `prefill_fills_row_tile` the bound is raised
+so the step's rows fill the tile its decodes and bounded prefill reach, since
+the tile's rows are computed either way.
 
 Queue order is effective priority, `priority + aging_rate * seconds since
 arrival`, highest first, FIFO within a tie. Since every waiting sequence ages
@@ -64,14 +64,13 @@ class Scheduler:
         *,
         num_blocks: int,
         max_model_len: int,
-        row_tile: int = 1,
+        computed_rows: Callable[[int], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if row_tile < 1:
-            raise ValueError(f"row_tile must be >= 1, got {row_tile}")
         self.config = config
         self.max_model_len = max_model_len
-        self.row_tile = row_tile
+        # Rows the model runner computes for a step of n tokens (n when not told).
+        self.computed_rows = computed_rows or (lambda n: n)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -209,11 +208,10 @@ class Scheduler:
 
     def _prefill_bound(self, num_decodes: int, bound: int) -> int:
         """Prefill tokens allowed beside ``num_decodes`` decodes: ``bound``, raised (with
-        prefill_fills_row_tile) until the step's rows end where a row tile ends."""
+        prefill_fills_row_tile) to the rows the runner computes for that step anyway."""
         if not self.config.prefill_fills_row_tile:
             return bound
-        rows = -(-(num_decodes + bound) // self.row_tile) * self.row_tile
-        return rows - num_decodes
+        return max(bound, self.computed_rows(num_decodes + bound) - num_decodes)
 
     def _check_fits(self, seq: Sequence) -> None:
         prompt, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens

@@ -206,16 +206,19 @@ def test_cpu_weight_layout_changes_no_result(
         assert np.array_equal(np.array(hidden @ tied), np.array(embed.as_linear(hidden)))
 
 
-def test_row_tile_is_what_the_products_compute_together(
+def test_computed_rows_are_what_the_products_compute(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The C products' tile (8 rows with 16-float vectors, 6 with 8-float ones), else
-    the rows MLX's CPU products are padded to."""
+    the rows MLX's CPU products are padded to (none below 4 rows)."""
     if not native.products_enabled():
         pytest.skip("no C compiler here: the packed products cannot be built")
-    assert _runner(loaded).row_tile == native.tile_rows() == {32: 8, 16: 6}[native.panel_width()]
+    tile = native.tile_rows()
+    assert tile == {32: 8, 16: 6}[native.panel_width()]
+    assert [_runner(loaded).computed_rows(n) for n in (1, tile, tile + 1)] == [tile, tile, 2 * tile]
     monkeypatch.setenv(native.PRODUCTS_DISABLE_ENV, "0")
-    assert _runner(loaded).row_tile == ROW_MULTIPLE
+    unpacked = _runner(loaded)
+    assert [unpacked.computed_rows(n) for n in (2, 5, 17)] == [2, ROW_MULTIPLE, 2 * ROW_MULTIPLE]
 
 
 def test_fast_exp_is_accurate_and_zero_weights_masked() -> None:

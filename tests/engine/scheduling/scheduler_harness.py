@@ -37,13 +37,14 @@ def make_scheduler(
     row_tile: int = 1,
     **options: object,
 ) -> Scheduler:
-    """A small scheduler (4 running at most, aging off unless asked) on a fake clock."""
+    """A small scheduler (4 running at most, aging off unless asked) on a fake clock, whose
+    runner computes rows in tiles of ``row_tile``."""
     config = EngineConfig(**{"aging_rate": 0.0, "max_num_seqs": 4, **options})  # type: ignore[arg-type]
     return Scheduler(
         config,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
-        row_tile=row_tile,
+        computed_rows=lambda n: -(-n // row_tile) * row_tile,
         clock=clock or FakeClock(),
     )
 

@@ -104,9 +104,16 @@ def test_the_bound_as_set_without_a_tile_to_fill(row_tile: int, fill: bool, expe
     assert step(sched) == [("a", 2, 1), ("b", 0, expected)]
 
 
-def test_row_tile_must_be_positive() -> None:
-    with pytest.raises(ValueError, match=r"row_tile must be >= 1, got 0"):
-        make_scheduler(row_tile=0)
+def test_a_runner_that_computes_just_the_rows_keeps_the_bound() -> None:
+    """MLX's CPU products pad 4 rows and more to 16, fewer not at all: 1 decode + 2
+    prefill rows stay 3; with a bound of 4 the padded 16 rows are filled."""
+    for bound, expected in ((2, 2), (4, 15)):
+        sched = make_scheduler(max_num_batched_tokens=32, max_prefill_tokens_with_decodes=bound)
+        sched.computed_rows = lambda n: n if n < 4 else -(-n // 16) * 16
+        sched.add(seq("a", 2, max_tokens=8))
+        step(sched)
+        sched.add(seq("b", 40, max_tokens=2))
+        assert step(sched) == [("a", 2, 1), ("b", 0, expected)]
 
 
 @pytest.mark.parametrize("bound", [0, -1, True, 2.5])
