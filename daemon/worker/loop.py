@@ -336,10 +336,15 @@ class Worker:
         if not self.jobs or interval_passed or not working:
             self.published_all_at = now
             return self.jobs.values()
-        due = [job for job in self.jobs.values() if job.urgent or job.stored_final]
-        if any(job.urgent for job in due) or (due and self.intake_reader.backlog):
-            return due
-        return None
+        due: list[Job] = []
+        urgent = False
+        for job in self.jobs.values():
+            if job.urgent:
+                urgent = True
+                due.append(job)
+            elif job.stored_final:
+                due.append(job)
+        return due if urgent or (due and self.intake_reader.backlog) else None
 
     def settle(self) -> None:
         """Wait for the pipeline in flight, if any, and apply what Redis confirmed."""

@@ -69,11 +69,15 @@ ROW_MULTIPLE = 16
 _MIN_PADDED = 4
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def padded_rows(n: int, multiple: int) -> int:
     """Rows the linear layers run on for ``n`` tokens."""
     if multiple <= 1 or n < _MIN_PADDED:
         return n
-    return -(-n // multiple) * multiple
+    return round_up(n, multiple)
 
 
 def cpu_lanes() -> int:
@@ -157,6 +161,8 @@ class ModelRunner:
             # The C products read the packed weights and take any row count at full speed.
             self._tied_head = None
             self._row_multiple = 1
+        # Asked once: the scheduler calls computed_rows every step.
+        self._tile_rows = native.tile_rows() if self._packed is not None else 0
         fast_math.tune_malloc()
 
     def computed_rows(self, n: int) -> int:
@@ -164,9 +170,8 @@ class ModelRunner:
         the C products' row tile, or to the padding of MLX's CPU products from
         _MIN_PADDED rows up; ``n`` where nothing is known (a GPU). A step costs about as
         much as one of that many tokens."""
-        if self._packed is not None:
-            tile = native.tile_rows()
-            return -(-n // tile) * tile
+        if self._tile_rows:
+            return round_up(n, self._tile_rows)
         return padded_rows(n, self._row_multiple)
 
     def _lane_streams(self) -> list[mx.Stream]:
