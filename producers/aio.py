@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,7 +20,7 @@ from producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriv
 from producers.keys import check_name
 from producers.result import JobResult, acollect
 from producers.schema import Event, JobStatus
-from producers.transact import CANCEL, SUBMIT, CancelPlan
+from producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
 
 
 class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
@@ -30,6 +30,7 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         super().__init__(**options)
         self.redis: aioredis.Redis = self.connect(redis_url, aioredis.Redis.from_url)
         self._submit = self.redis.register_script(SUBMIT)
+        self._submit_many = self.redis.register_script(SUBMIT_MANY)
         self._cancel = self.redis.register_script(CANCEL)
 
     async def aclose(self) -> None:
@@ -47,6 +48,14 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         plan = self.plan_submit(job, queue)
         reply = await self._submit(keys=plan.keys, args=plan.args)
         return AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent))
+
+    async def submit_many(
+        self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False
+    ) -> list[AsyncJobHandle]:
+        """See :meth:`producers.client.Client.submit_many`."""
+        plan = self.plan_submit_many(jobs, queue, attach=idempotent)
+        reply = await self._submit_many(keys=plan.keys, args=plan.args)
+        return [AsyncJobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
 
     def handle(self, job_id: str, *, queue: str | None = None) -> AsyncJobHandle:
         return AsyncJobHandle(self, check_name("id", job_id), self.queue_name(queue))

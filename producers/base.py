@@ -7,7 +7,7 @@ Everything here is free of I/O, so :mod:`producers.client` and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from config import LimitSettings
@@ -23,13 +23,16 @@ from producers.schema import (
     now,
     validate_job,
 )
-from producers.transact import CancelPlan, SubmitPlan
+from producers.transact import CancelPlan, SubmitManyPlan, SubmitPlan
 
 ConnectionT = TypeVar("ConnectionT")
 # What submitting gives: a job handle, or (asyncio) an awaitable of one.
 SubmittedT = TypeVar("SubmittedT")
 # A job to submit: a JobRequest, or its fields as a mapping.
 JobLike = JobRequest | Mapping[str, Any]
+
+# The most jobs one submit_many call takes: its script holds Redis ~10 us a job.
+MAX_SUBMIT_MANY = 1000
 
 # Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).
 SOCKET_TIMEOUT_MARGIN_S = 10.0
@@ -132,6 +135,47 @@ class ClientBase(ABC, Generic[SubmittedT]):
         name = self.queue_name(queue)
         status = self.initial_status(name)
         return SubmitPlan.make(self.keys, request.id, name, encode_job(request), status)
+
+    def plan_submit_many(
+        self, jobs: Iterable[JobLike], queue: str | None, *, attach: bool
+    ) -> SubmitManyPlan:
+        """The one script call of a submit_many() call; every job is validated (and given
+        an id) before anything is sent. Raises ValidationError naming the job."""
+        requests: list[JobRequest] = []
+        for index, job in enumerate(jobs):
+            if len(requests) == MAX_SUBMIT_MANY:
+                raise ValidationError(
+                    "jobs", f"more than {MAX_SUBMIT_MANY} jobs in one call; submit them in parts"
+                )
+            try:
+                requests.append(self.coerce_request(job))
+            except ValidationError as exc:
+                raise ValidationError(
+                    exc.field, f"job {index} of the call: {exc.message}", value=exc.value
+                ) from None
+        if not requests:
+            raise ValidationError("jobs", "no job to submit")
+        seen: set[str] = set()
+        for request in requests:
+            assert request.id is not None
+            if request.id in seen:
+                raise ValidationError(
+                    "id", f"job {request.id} appears twice in one call", value=request.id
+                )
+            seen.add(request.id)
+        name = self.queue_name(queue)
+        payloads = [(str(request.id), encode_job(request)) for request in requests]
+        return SubmitManyPlan.make(
+            self.keys, payloads, name, self.initial_status(name), attach=attach
+        )
+
+    def check_submitted_many(self, plan: SubmitManyPlan, reply: Any) -> list[tuple[str, str]]:
+        """Each job's id and queue, in order; raises ValidationError on ``id`` when a job
+        existed before (the call then wrote nothing)."""
+        clash = plan.clash(reply)
+        if clash is not None:
+            raise self.duplicate(*clash)
+        return [(job_id, plan.queue) for job_id in plan.job_ids]
 
     def check_submitted(self, plan: SubmitPlan, reply: Any, idempotent: bool) -> tuple[str, str]:
         """The job id and queue of a submit that went through; raises ValidationError on

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis
@@ -21,7 +21,7 @@ from producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriv
 from producers.keys import check_name
 from producers.result import JobResult, collect
 from producers.schema import Event, JobStatus
-from producers.transact import CANCEL, SUBMIT, CancelPlan
+from producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
 
 
 class Client(ClientBase["JobHandle"]):
@@ -36,6 +36,7 @@ class Client(ClientBase["JobHandle"]):
         super().__init__(**options)
         self.redis: redis.Redis = self.connect(redis_url, redis.Redis.from_url)
         self._submit = self.redis.register_script(SUBMIT)
+        self._submit_many = self.redis.register_script(SUBMIT_MANY)
         self._cancel = self.redis.register_script(CANCEL)
 
     def close(self) -> None:
@@ -53,6 +54,22 @@ class Client(ClientBase["JobHandle"]):
         plan = self.plan_submit(job, queue)
         reply = self._submit(keys=plan.keys, args=plan.args)
         return JobHandle(self, *self.check_submitted(plan, reply, idempotent))
+
+    def submit_many(
+        self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False
+    ) -> list[JobHandle]:
+        """Enqueue several ready JobRequests (or their dicts) onto one queue, all or none,
+        in one round trip; their handles, in order.
+
+        A daemon waiting for work reads them together (one loop of :meth:`submit`
+        would wake it for the first job alone). Every job is validated first; one that
+        was already submitted raises ValidationError on ``id`` and nothing is enqueued,
+        unless ``idempotent`` (its handle then attaches to it). At most
+        MAX_SUBMIT_MANY jobs a call.
+        """
+        plan = self.plan_submit_many(jobs, queue, attach=idempotent)
+        reply = self._submit_many(keys=plan.keys, args=plan.args)
+        return [JobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
 
     def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
         """A handle on a job submitted elsewhere (by id)."""

@@ -32,6 +32,37 @@ redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[2])
 return {{'ok'}}
 """
 
+# Several jobs onto one queue, all or none. KEYS: each job's status hash, then the queue
+# stream. ARGV[1] '1' to attach to jobs that exist, ARGV[2] the count k of initial status
+# field/value pairs, the k pairs, then each job's submit token and job JSON. Checks every
+# job first: returns {'exists', i, token, state} for the first job i (1-based) that exists
+# under another submit token unless attaching, having written nothing; else writes the
+# jobs that do not exist yet (a job holding its own token is a retried call's) in order
+# and returns {'ok'}. One XADD after another in one script: a daemon blocked on the
+# queue is answered once, with every job.
+SUBMIT_MANY = f"""
+local n = #KEYS - 1
+local first = 3 + 2 * tonumber(ARGV[2])
+local fresh = {{}}
+for i = 1, n do
+  local token = ARGV[first + 2 * (i - 1)]
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    local held = redis.call('HMGET', KEYS[i], 'submit_token', 'state')
+    if held[1] ~= token and ARGV[1] ~= '1' then
+      return {{'exists', i, held[1] or '', held[2] or ''}}
+    end
+  else
+    fresh[#fresh + 1] = i
+  end
+end
+for _, i in ipairs(fresh) do
+  local at = first + 2 * (i - 1)
+  redis.call('HSET', KEYS[i], 'submit_token', ARGV[at], unpack(ARGV, 3, first - 1))
+  redis.call('XADD', KEYS[n + 1], '*', '{JOB_FIELD}', ARGV[at + 1])
+end
+return {{'ok'}}
+"""
+
 # KEYS[1] status hash, KEYS[2] cancel stream; ARGV[1] job id, ARGV[2] cancel stream MAXLEN.
 # Returns the job's state ('' when there is no status hash) and 1 if the request was made.
 CANCEL = f"""
@@ -74,6 +105,48 @@ class SubmitPlan:
 
     def existing_state(self, reply: Any) -> str | None:
         return _text(reply[2]) or None
+
+
+@dataclass(frozen=True)
+class SubmitManyPlan:
+    """One call submitting several jobs onto one queue (all or none): its script call,
+    and what the reply means."""
+
+    job_ids: list[str]
+    queue: str
+    keys: list[str]
+    args: list[Any]
+    tokens: list[str]
+
+    @classmethod
+    def make(
+        cls,
+        keys: Keys,
+        jobs: list[tuple[str, bytes]],
+        queue: str,
+        status: dict[Any, Any],
+        *,
+        attach: bool,
+    ) -> SubmitManyPlan:
+        """``jobs``: each job's id and payload, in the order they are enqueued."""
+        tokens = [secrets.token_hex(8) for _ in jobs]
+        args: list[Any] = ["1" if attach else "0", len(status)]
+        for name, value in status.items():
+            args += [name, value]
+        for token, (_, payload) in zip(tokens, jobs, strict=True):
+            args += [token, payload]
+        job_keys = [keys.job(job_id) for job_id, _ in jobs]
+        return cls(
+            [job_id for job_id, _ in jobs], queue, [*job_keys, keys.queue(queue)], args, tokens
+        )
+
+    def clash(self, reply: Any) -> tuple[str, str | None] | None:
+        """The job that existed before under another submit (its id and state), when the
+        call wrote nothing; None when the jobs are queued (or attached to)."""
+        if _text(reply[0]) == "ok":
+            return None
+        index = int(reply[1]) - 1
+        return self.job_ids[index], _text(reply[3]) or None
 
 
 @dataclass(frozen=True)

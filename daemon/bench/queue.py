@@ -279,17 +279,21 @@ def _wait_ready(conn: redis.Redis, prefix: str, daemon: subprocess.Popen[bytes],
 
 
 def _submit_and_follow(client: Client, workload: Workload, recorder: Recorder) -> RunStats:
-    """Submit every request at once, then follow all their event streams to the end."""
+    """Submit every request at once (one submit_many call: the daemon reads them together,
+    as the in-process engine gets them), then follow all their event streams to the end."""
     follower = client.follower(timeout=1800)
     for request in workload.requests:
         recorder.arrive(request.request_id)
-        client.submit(
-            prompt_token_ids=request.prompt_ids,
-            id=request.request_id,
-            max_tokens=request.max_tokens,
-            ignore_eos=True,
-        )
         follower.add(request.request_id)
+    client.submit_many(
+        {
+            "prompt_token_ids": request.prompt_ids,
+            "id": request.request_id,
+            "max_tokens": request.max_tokens,
+            "ignore_eos": True,
+        }
+        for request in workload.requests
+    )
     for job_id, event in follow(client.redis, follower):
         if event.error is not None:
             raise QueueUnavailable(f"not available: job {job_id} failed: {event.error}")

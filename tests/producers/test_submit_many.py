@@ -1,0 +1,166 @@
+"""submit_many: several jobs in one round trip, all or none, on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from producers.aio import AsyncClient
+from producers.base import MAX_SUBMIT_MANY
+from producers.client import Client
+from producers.errors import ValidationError
+from producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
+from producers.schema import JobRequest, JobState, parse_job
+from support.redis_server import RedisServer
+from support.text_daemon import expected_text, text_daemon
+
+KEYS = Keys()
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[Client]:
+    with Client(redis_server.url, block_ms=200) as c:
+        yield c
+
+
+def queued_ids(r: redis.Redis, queue: str = "default") -> list[str]:
+    return [parse_job(f[JOB_FIELD.encode()]).id or "" for _, f in r.xrange(KEYS.queue(queue))]
+
+
+def test_jobs_are_queued_in_order_with_their_status(
+    client: Client, redis_client: redis.Redis
+) -> None:
+    jobs: list[Any] = [
+        {"prompt": "a", "max_tokens": 3, "id": "m1"},
+        JobRequest(prompt="b", max_tokens=4, id="m2"),
+        {"prompt": "c", "max_tokens": 5},
+    ]
+    handles = client.submit_many(jobs, queue="bulk")
+    assert [h.id for h in handles][:2] == ["m1", "m2"] and len(handles[2].id) == 32
+    assert {h.queue for h in handles} == {"bulk"}
+    assert queued_ids(redis_client, "bulk") == [h.id for h in handles]
+    for handle in handles:
+        status = handle.status()
+        assert (status.state, status.queue) == (JobState.queued, "bulk")
+        assert status.queued_at is not None
+
+
+def test_a_waiting_reader_gets_every_job_at_once(
+    redis_server: RedisServer, client: Client, redis_client: redis.Redis
+) -> None:
+    """What a daemon blocked on the queue sees: the whole call in one read, where a loop
+    of single submits wakes it for the first job alone."""
+    reads: dict[str, int] = {}
+
+    def read(queue: str) -> None:
+        with redis.Redis.from_url(redis_server.url) as reader:
+            reply = reader.xreadgroup(CONSUMER_GROUP, "d1", {queue: ">"}, count=100, block=5000)
+            reads[queue] = sum(len(entries) for _, entries in reply)
+
+    submits: dict[str, Callable[[list[Any]], object]] = {
+        "one": lambda jobs: [client.submit_request(job, queue="one") for job in jobs],
+        "many": lambda jobs: client.submit_many(jobs, queue="many"),
+    }
+    for name, submit in submits.items():
+        redis_client.xgroup_create(KEYS.queue(name), CONSUMER_GROUP, id="0", mkstream=True)
+        reader = threading.Thread(target=read, args=(KEYS.queue(name),))
+        reader.start()
+        _wait_blocked(redis_client)
+        submit([{"prompt": f"{name} {i}", "max_tokens": 2} for i in range(5)])
+        reader.join(timeout=10)
+    assert reads == {KEYS.queue("one"): 1, KEYS.queue("many"): 5}
+
+
+def _wait_blocked(r: redis.Redis) -> None:
+    for _ in range(500):
+        if int(r.info("clients")["blocked_clients"]) > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the reader never blocked")
+
+
+def test_a_job_submitted_before_makes_the_whole_call_write_nothing(
+    client: Client, redis_client: redis.Redis
+) -> None:
+    client.submit("first", id="taken", max_tokens=2)
+    with pytest.raises(ValidationError) as caught:
+        client.submit_many(
+            [{"prompt": "x", "id": "new1"}, {"prompt": "y", "id": "taken"}, {"prompt": "z"}]
+        )
+    assert caught.value.field == "id" and "taken" in str(caught.value)
+    assert "queued" in str(caught.value)
+    assert queued_ids(redis_client) == ["taken"]
+    assert not redis_client.exists(KEYS.job("new1"))
+
+
+def test_idempotent_attaches_to_existing_jobs_and_queues_the_rest(
+    client: Client, redis_client: redis.Redis
+) -> None:
+    client.submit("first", id="old", max_tokens=2)
+    handles = client.submit_many(
+        [{"prompt": "again", "id": "old"}, {"prompt": "y", "id": "fresh"}], idempotent=True
+    )
+    assert [h.id for h in handles] == ["old", "fresh"]
+    assert queued_ids(redis_client) == ["old", "fresh"]
+    [(_, first), _] = redis_client.xrange(KEYS.queue("default"))
+    assert parse_job(first[JOB_FIELD.encode()]).prompt == "first"  # not replaced
+
+
+def test_a_retried_call_is_recognised_by_its_tokens(
+    client: Client, redis_client: redis.Redis
+) -> None:
+    """A call whose reply was lost is sent again as is (redis-py's retry): its own jobs
+    are found, nothing is queued twice, and no clash is reported."""
+    plan = client.plan_submit_many(
+        [{"prompt": "a", "id": "r1"}, {"prompt": "b"}], None, attach=False
+    )
+    first = client._submit_many(keys=plan.keys, args=plan.args)
+    again = client._submit_many(keys=plan.keys, args=plan.args)
+    assert client.check_submitted_many(plan, first) == client.check_submitted_many(plan, again)
+    assert queued_ids(redis_client) == plan.job_ids
+
+
+@pytest.mark.parametrize(
+    ("jobs", "field", "words"),
+    [
+        ([{"prompt": "a", "id": "d"}, {"prompt": "b", "id": "d"}], "id", "twice"),
+        ([{"prompt": "a"}, {"prompt": "b", "temperature": -1}], "temperature", "job 1 of the call"),
+        ([], "jobs", "no job"),
+        ([{"prompt": "a"}] * (MAX_SUBMIT_MANY + 1), "jobs", "in parts"),
+    ],
+)
+def test_bad_calls_are_refused_before_anything_is_sent(
+    client: Client, redis_client: redis.Redis, jobs: list[Any], field: str, words: str
+) -> None:
+    with pytest.raises(ValidationError) as caught:
+        client.submit_many(jobs)
+    assert caught.value.field == field and words in str(caught.value)
+    assert redis_client.dbsize() == 0
+
+
+def test_jobs_submitted_together_all_run(redis_server: RedisServer, client: Client) -> None:
+    prompts = [f"job {i}" for i in range(6)]
+    with text_daemon(redis_server.url):
+        handles = client.submit_many([{"prompt": p, "max_tokens": 5} for p in prompts])
+        texts = [handle.result(timeout=30).text for handle in handles]
+    assert texts == [expected_text(p, 5) for p in prompts]
+
+
+def test_the_async_client_submits_many(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async def main() -> list[str]:
+        async with AsyncClient(redis_server.url, block_ms=200) as client:
+            handles = await client.submit_many([{"prompt": "a", "id": "a1"}, {"prompt": "b"}])
+            with pytest.raises(ValidationError):
+                await client.submit_many([{"prompt": "c", "id": "a1"}])
+            return [h.id for h in handles]
+
+    ids = asyncio.run(main())
+    assert ids[0] == "a1" and queued_ids(redis_client) == ids
