@@ -22,7 +22,9 @@ takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead).
 Every queue round starts a fresh daemon under its own key prefix, deleted
 afterwards, so no prefix cache carries over from a previous round. Besides
 the client's CPU time, each queue run records what Redis spent (``INFO
-cpu``): the two processes that share the machine with the daemon.
+cpu``): the two processes that share the machine with the daemon; and, read
+from the daemon's metrics endpoint, how long its engine thread spent on
+publishing against its engine steps: the queue's own cost inside the daemon.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from config.secrets import redact
 from daemon.bench.engine_system import bench_engine_config
@@ -50,6 +54,7 @@ from daemon.bench.progress import Progress
 from daemon.bench.stats import Recorder, RunStats
 from daemon.bench.systems import BATCHD, Systems, SystemUnavailable, longest_request
 from daemon.bench.workloads import Workload
+from daemon.redis_server import free_port
 from producers.client import Client, follow
 from producers.errors import BatchdError
 
@@ -158,6 +163,8 @@ def _compare(
                 "ratio": round(ratio, 3),
                 "subscriber_cpu_s": queued[i]["subscriber_cpu_s"],
                 "redis_cpu_s": queued[i]["redis_cpu_s"],
+                "daemon_publish_s": queued[i].get("daemon_publish_s"),
+                "daemon_step_s": queued[i].get("daemon_step_s"),
             }
             for i, ratio in enumerate(ratios)
         ],
@@ -168,7 +175,7 @@ def _compare(
 
 
 def _daemon_env(
-    systems: Systems, workload: Workload, redis_url: str, prefix: str
+    systems: Systems, workload: Workload, redis_url: str, prefix: str, metrics_port: int
 ) -> dict[str, str]:
     """Environment of the daemon: the same engine settings as the in-process run."""
     s = systems.settings
@@ -193,6 +200,7 @@ def _daemon_env(
         "BATCHD_KEY_PREFIX": prefix,
         "BATCHD_LOG_LEVEL": "WARNING",
         "BATCHD_RESULT_TTL_S": "3600",
+        "BATCHD_DAEMON__METRICS_PORT": str(metrics_port),
         **engine_env,
     }
 
@@ -201,8 +209,9 @@ def _run_through_daemon(
     systems: Systems, workload: Workload, redis_url: str, progress: Progress, *, prefix: str
 ) -> tuple[RunStats, dict[str, float | None]]:
     """The workload through a fresh daemon; its stats, the client's and Redis's CPU
-    seconds."""
-    env = _daemon_env(systems, workload, redis_url, prefix)
+    seconds, and the daemon's seconds publishing and stepping."""
+    metrics_port = free_port()
+    env = _daemon_env(systems, workload, redis_url, prefix, metrics_port)
     command = [sys.executable, "-m", "daemon.cli", "serve"]
     command += ["--model", str(systems.settings.model_path), "--queue", _QUEUE]
     conn = redis.Redis.from_url(redis_url)
@@ -222,14 +231,16 @@ def _run_through_daemon(
                 recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
                 # The submitting and following client and Redis share the machine with the daemon.
                 cpu, server = time.process_time(), _redis_cpu_s(conn)
+                daemon_before = _daemon_times(metrics_port)
                 stats = _submit_and_follow(client, workload, recorder)
                 cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
+                daemon_times = _times_between(daemon_before, _daemon_times(metrics_port))
                 client.close()
         finally:
             _stop(daemon)
             _delete_prefix(conn, prefix, progress)
             conn.close()
-    return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": server}
+    return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": server, **daemon_times}
 
 
 @contextlib.contextmanager
@@ -253,6 +264,43 @@ def _redis_cpu_s(conn: redis.Redis) -> float | None:
         return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
     except (redis.RedisError, KeyError, ValueError):
         return None
+
+
+# The daemon's series read around a run: its engine thread's seconds on publishes and on
+# engine steps, and the count of publishes.
+_DAEMON_SERIES = {
+    "batchd_publish_duration_seconds_sum": "daemon_publish_s",
+    "batchd_publish_duration_seconds_count": "daemon_publishes",
+    "batchd_step_duration_seconds_sum": "daemon_step_s",
+}
+
+
+def _daemon_times(port: int) -> dict[str, float] | None:
+    """The daemon's publish and step totals from its metrics endpoint; None where it
+    does not answer (the figures are then left out of the report)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    return {
+        _DAEMON_SERIES[sample.name]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in _DAEMON_SERIES
+    }
+
+
+def _times_between(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float | None]:
+    """What the daemon spent during the run (None each where a reading is missing)."""
+    return {
+        key: None
+        if before is None or after is None or key not in before or key not in after
+        else round(after[key] - before[key], 4)
+        for key in _DAEMON_SERIES.values()
+    }
 
 
 def _spent(before: float | None, after: float | None) -> float | None:

@@ -143,7 +143,31 @@ def _queue_line(q: dict[str, Any]) -> str:
         f"in-process (mean of {q['in_process']['tok_s']:.1f} before and "
         f"{q['in_process_after']['tok_s']:.1f} after), {shown:.2f}x. The client "
         f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of that "
-        f"{q['queue']['wall_s']:.1f} s run{_redis_cpu(q['queue'])}."
+        f"{q['queue']['wall_s']:.1f} s run{_redis_cpu(q['queue'])}.{_daemon_publishing(q)}"
+    )
+
+
+def _daemon_publishing(q: dict[str, Any]) -> str:
+    """The daemon's engine thread on publishes against its engine steps, over the rounds
+    (reports from before the daemon's metrics were read have none)."""
+    rounds = [
+        r for r in q.get("rounds", []) if r.get("daemon_publish_s") and r.get("daemon_step_s")
+    ]
+    if not rounds:
+        return ""
+    shares = [r["daemon_publish_s"] / r["daemon_step_s"] for r in rounds]
+    run = q["queue"]
+    shown = ""
+    if run.get("daemon_publish_s") and run.get("daemon_step_s"):
+        shown = (
+            f" In that run {run['daemon_publish_s']:.3f} s on "
+            f"{run['daemon_publishes']:.0f} publishes against {run['daemon_step_s']:.2f} s of"
+            " engine steps."
+        )
+    return (
+        " The daemon's engine thread spent "
+        f"{min(shares):.1%}-{max(shares):.1%} of its engine-step time publishing (building "
+        f"each pipeline, waiting for Redis's replies, applying them), by round.{shown}"
     )
 
 

@@ -99,6 +99,12 @@ class Ops:
             self.metrics.stepped(step)
         self.faults.stepped()
 
+    def published(self, seconds: float) -> None:
+        """One publish took ``seconds`` of the engine thread: building the pipeline,
+        waiting for Redis's replies where it waits, applying them."""
+        if self.metrics is not None:
+            self.metrics.published(seconds)
+
     def finished(self, job: Job) -> None:
         """The job's final event, status and ack are stored."""
         reason = job.finish_reason or FinishReason.error

@@ -111,8 +111,9 @@ class Worker:
         self.publisher = Publisher(
             self.redis, self.keys, owner=consumer, result_ttl_s=settings.result_ttl_s
         )
-        # The pipeline in flight (at most one), executed by the publishing thread.
-        self._in_flight: tuple[Flush, Future[list[Any]]] | None = None
+        # The pipeline in flight (at most one), executed by the publishing thread, and the
+        # seconds this thread has spent on it so far (building it).
+        self._in_flight: tuple[Flush, Future[list[Any]], float] | None = None
         self._publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchd-publish")
         member = Member(self.redis, self.keys, consumer)
         self.pickup = PickupPolicy(
@@ -305,6 +306,7 @@ class Worker:
         jobs = self._due(working)
         if jobs is None:
             return
+        began = time.perf_counter()
         extras: list[Piggyback] = [self.cancels]
         busy = bool(self.jobs) or working
         room = self._room(ending_now=True)
@@ -321,8 +323,10 @@ class Worker:
             return
         if self.gen.steps_use_cpu or self.last_step_s < OVERLAP_MIN_STEP_S:
             self._settle(prepared, prepared.execute)
+            self.ops.published(time.perf_counter() - began)
             return
-        self._in_flight = (prepared, self._publishing.submit(prepared.execute))
+        future = self._publishing.submit(prepared.execute)
+        self._in_flight = (prepared, future, time.perf_counter() - began)
 
     def _due(self, working: bool) -> Collection[Job] | None:
         """The jobs this publish sends: every job once the publish interval has passed
@@ -350,9 +354,11 @@ class Worker:
         """Wait for the pipeline in flight, if any, and apply what Redis confirmed."""
         if self._in_flight is None:
             return
-        flush, replies = self._in_flight
+        flush, replies, spent_s = self._in_flight
         self._in_flight = None
+        began = time.perf_counter()
         self._settle(flush, replies.result)
+        self.ops.published(spent_s + time.perf_counter() - began)
 
     def _settle(self, flush: Flush, replies: Callable[[], list[Any]]) -> None:
         try:

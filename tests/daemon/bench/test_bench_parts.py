@@ -20,10 +20,12 @@ from daemon.bench.queue import (
     _another_round,
     _compare,
     _daemon_env,
+    _daemon_times,
     _delete_prefix,
     _failures_end_the_run,
     _redis_cpu_s,
     _spent,
+    _times_between,
 )
 from daemon.bench.report import _queue_line
 from daemon.bench.stats import Recorder, step_profile
@@ -31,7 +33,7 @@ from daemon.bench.systems import SystemSettings
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.models.model_fixture import PRESETS
 from engine.outputs import StepStats
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, free_port
 
 BENCH_SMALL = PRESETS["bench-small"]
 
@@ -126,25 +128,44 @@ def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
     assert profile["with_prefill_p50_s"] == 0.030
 
 
+# Three queue rounds between four in-process runs: 68.8 / 75.0, 80.0 / 74.75 and
+# 73.0 / 73.75 tok/s, the third the median.
+IN_PROCESS = [{"tok_s": tok_s, "ttft_p50_s": 1.0} for tok_s in (73.0, 77.0, 72.5, 75.0)]
+QUEUED = [
+    {"tok_s": tok_s, "ttft_p50_s": 1.0, "subscriber_cpu_s": 0.5, "redis_cpu_s": 0.4, "wall_s": 60.0}
+    for tok_s in (68.8, 80.0, 73.0)
+]
+
+
 def test_queue_line_gives_the_median_and_the_shown_rounds_own_ratio() -> None:
-    queued = [
-        {
-            "tok_s": tok_s,
-            "ttft_p50_s": 1.0,
-            "subscriber_cpu_s": 0.5,
-            "redis_cpu_s": 0.4,
-            "wall_s": 60.0,
-        }
-        for tok_s in (68.8, 80.0, 73.0)
-    ]
-    in_process = [{"tok_s": tok_s, "ttft_p50_s": 1.0} for tok_s in (73.0, 77.0, 72.5, 75.0)]
-    line = _queue_line(_compare(queued, in_process, requests=32))
-    # Rounds 68.8 / 75.0, 80.0 / 74.75 and 73.0 / 73.75: the third is the median.
+    line = _queue_line(_compare(QUEUED, IN_PROCESS, requests=32))
     assert line.startswith("Queue: 0.99x in-process, the median of 3 rounds"), line
     assert ": 0.92x, 1.07x, 0.99x;" in line
     shown = "73.0 tok/s through Redis vs 73.8 in-process (mean of 72.5 before and 75.0 after)"
     assert f"{shown}, 0.99x." in line
     assert line.endswith("used 0.50 CPU-s of that 60.0 s run, Redis 0.40 CPU-s."), line
+
+
+def test_queue_line_gives_the_daemons_publishing_against_its_steps() -> None:
+    queued = [
+        {**run, "daemon_publish_s": publish_s, "daemon_publishes": 90.0, "daemon_step_s": 6.0}
+        for run, publish_s in zip(QUEUED, (0.12, 0.18, 0.15), strict=True)
+    ]
+    line = _queue_line(_compare(queued, IN_PROCESS, requests=32))
+    assert "spent 2.0%-3.0% of its engine-step time publishing" in line, line
+    assert line.endswith("In that run 0.150 s on 90 publishes against 6.00 s of engine steps.")
+
+
+def test_the_daemons_times_are_left_out_where_its_metrics_cannot_be_read() -> None:
+    assert _daemon_times(free_port()) is None  # nothing listens there
+    before = {"daemon_publish_s": 0.5, "daemon_publishes": 10.0, "daemon_step_s": 2.0}
+    after = {"daemon_publish_s": 0.75, "daemon_publishes": 30.0, "daemon_step_s": 5.5}
+    assert _times_between(before, after) == {
+        "daemon_publish_s": 0.25,
+        "daemon_publishes": 20.0,
+        "daemon_step_s": 3.5,
+    }
+    assert set(_times_between(None, after).values()) == {None}
 
 
 def test_queue_rounds_run_to_the_time_budget_within_their_bounds() -> None:
@@ -227,10 +248,11 @@ def test_the_queue_daemon_gets_the_in_process_engine_settings(
     )
     workload = mixed(scale=SCALES["tiny"], vocab_size=1000)
     systems = type("Systems", (), {"settings": settings, "warmup_for": lambda self, w: w})()
-    env = _daemon_env(systems, workload, "redis://127.0.0.1:1/0", "prefix")  # type: ignore[arg-type]
+    env = _daemon_env(systems, workload, "redis://127.0.0.1:1/0", "prefix", 9123)  # type: ignore[arg-type]
     for name, value in env.items():
-        if name.startswith("BATCHD_ENGINE__"):
+        if name.startswith(("BATCHD_ENGINE__", "BATCHD_DAEMON__")):
             monkeypatch.setenv(name, value)
+    assert Settings().daemon.metrics_port == 9123  # where the bench reads its publish times
     engine = Settings().engine
     assert engine.prefill_fills_row_tile is False
     assert engine.max_prefill_tokens_with_decodes == 4

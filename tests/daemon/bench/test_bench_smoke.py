@@ -129,6 +129,11 @@ def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> 
     assert queue["queue"]["subscriber_cpu_s"] >= 0
     # Every token went through Redis's scripts: its CPU time shows them.
     assert queue["queue"]["redis_cpu_s"] > 0
+    # Read from the daemon's metrics: it published every token and stepped the engine.
+    run = queue["queue"]
+    assert run["daemon_publishes"] >= 1 and 0 < run["daemon_publish_s"]
+    assert run["daemon_step_s"] > 0
+    assert "of its engine-step time publishing" in (bench_run.out / "report.md").read_text()
     assert len(queue["rounds"]) == 2  # as --queue-rounds asked
     for key in ("queue", "in_process", "in_process_after"):
         assert queue[key]["finished"] == queue["requests"], key

@@ -77,7 +77,11 @@ def test_metrics_move_with_the_jobs_run(
         client.close()
 
     assert tokens == sum(j["max_tokens"] for j in jobs)
-    for name in ("batchd_output_tokens_total", "batchd_step_duration_seconds_count"):
+    for name in (
+        "batchd_output_tokens_total",
+        "batchd_step_duration_seconds_count",
+        "batchd_publish_duration_seconds_count",
+    ):
         assert before[(name, ())] <= during[(name, ())] <= after[(name, ())]
     assert total(after, "batchd_jobs_ended_total", state="finished", finish_reason="length") == 12
     assert total(after, "batchd_jobs_started_total") == 12
@@ -93,6 +97,11 @@ def test_metrics_move_with_the_jobs_run(
     prompt_tokens = sum(len(j["prompt_token_ids"]) for j in jobs)
     assert 0 < total(after, "batchd_prefill_tokens_total") <= prompt_tokens
     assert total(after, "batchd_step_duration_seconds_sum") > 0
+    # Every token went out in a publish, each a round trip (in seconds: all under one).
+    publishes = total(after, "batchd_publish_duration_seconds_count")
+    assert publishes > total(before, "batchd_publish_duration_seconds_count")
+    assert total(after, "batchd_publish_duration_seconds_bucket", le="1.0") == publishes
+    assert total(after, "batchd_publish_duration_seconds_sum") > 0
     kv = total(after, "batchd_kv_blocks_used") + total(after, "batchd_kv_blocks_free")
     assert kv == ENGINE_OPTS["num_kv_blocks"]
     assert 0 <= total(after, "batchd_prefix_cache_hit_ratio") <= 1

@@ -15,7 +15,9 @@ import orjson
 import pytest
 import redis
 
+from daemon.ops.observer import Ops
 from daemon.worker.loop import OVERLAP_MIN_STEP_S
+from daemon.worker.publisher import Flush
 from producers.client import Client
 from producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
 from producers.schema import Event, FinishReason, JobState
@@ -262,14 +264,24 @@ def test_a_busy_step_costs_one_round_trip(redis_server: RedisServer) -> None:
 
 @pytest.mark.parametrize(("step_s", "on_cpu"), [(0.02, False), (0.002, False), (0.02, True)])
 def test_a_long_step_runs_while_the_last_steps_pipeline_is_in_flight(
-    redis_server: RedisServer, step_s: float, on_cpu: bool
+    redis_server: RedisServer, step_s: float, on_cpu: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The publish round trip overlaps the next step when steps are long enough to hide
     it (not the short ones: see OVERLAP_MIN_STEP_S) and the engine leaves the CPU free
     (not one computing on it: Generator.steps_use_cpu), and every token still arrives
-    once, in order."""
+    once, in order. Either way each publish reports the engine thread's time on it."""
     client = redis_server.client()
     overlapped: list[bool] = []
+    published: list[float] = []
+    executed: list[bool] = []
+    execute = Flush.execute
+
+    def counted_execute(flush: Flush) -> list[Any]:
+        executed.append(True)
+        return execute(flush)
+
+    monkeypatch.setattr(Flush, "execute", counted_execute)
+    monkeypatch.setattr(Ops, "published", lambda _, seconds: published.append(seconds))
     ids = [f"ov{i}" for i in range(3)]
     with worker_thread(
         fast_settings(redis_server.url),
@@ -292,3 +304,6 @@ def test_a_long_step_runs_while_the_last_steps_pipeline_is_in_flight(
         assert not any(overlapped), overlapped
     for job_id in ids:
         assert token_ids(events[job_id]) == expected_fake_tokens(_prompt_ids(job_id), None, 40)
+    # Every pipeline of the loop is reported once; leaving flushes up to two more itself.
+    assert len(executed) - 2 <= len(published) <= len(executed), (published, len(executed))
+    assert all(0 < seconds < 5 for seconds in published), published
