@@ -141,32 +141,27 @@ class ClientBase(ABC, Generic[SubmittedT]):
     ) -> SubmitManyPlan:
         """The one script call of a submit_many() call; every job is validated (and given
         an id) before anything is sent. Raises ValidationError naming the job."""
-        requests: list[JobRequest] = []
+        payloads: dict[str, bytes] = {}
         for index, job in enumerate(jobs):
-            if len(requests) == MAX_SUBMIT_MANY:
+            if len(payloads) == MAX_SUBMIT_MANY:
                 raise ValidationError(
                     "jobs", f"more than {MAX_SUBMIT_MANY} jobs in one call; submit them in parts"
                 )
             try:
-                requests.append(self.coerce_request(job))
+                request = self.coerce_request(job)
             except ValidationError as exc:
                 raise ValidationError(
                     exc.field, f"job {index} of the call: {exc.message}", value=exc.value
                 ) from None
-        if not requests:
+            job_id = str(request.id)
+            if job_id in payloads:
+                raise ValidationError("id", f"job {job_id} appears twice in one call", value=job_id)
+            payloads[job_id] = encode_job(request)
+        if not payloads:
             raise ValidationError("jobs", "no job to submit")
-        seen: set[str] = set()
-        for request in requests:
-            assert request.id is not None
-            if request.id in seen:
-                raise ValidationError(
-                    "id", f"job {request.id} appears twice in one call", value=request.id
-                )
-            seen.add(request.id)
         name = self.queue_name(queue)
-        payloads = [(str(request.id), encode_job(request)) for request in requests]
         return SubmitManyPlan.make(
-            self.keys, payloads, name, self.initial_status(name), attach=attach
+            self.keys, list(payloads.items()), name, self.initial_status(name), attach=attach
         )
 
     def check_submitted_many(self, plan: SubmitManyPlan, reply: Any) -> list[tuple[str, str]]:

@@ -116,7 +116,6 @@ class SubmitManyPlan:
     queue: str
     keys: list[str]
     args: list[Any]
-    tokens: list[str]
 
     @classmethod
     def make(
@@ -129,16 +128,13 @@ class SubmitManyPlan:
         attach: bool,
     ) -> SubmitManyPlan:
         """``jobs``: each job's id and payload, in the order they are enqueued."""
-        tokens = [secrets.token_hex(8) for _ in jobs]
         args: list[Any] = ["1" if attach else "0", len(status)]
         for name, value in status.items():
             args += [name, value]
-        for token, (_, payload) in zip(tokens, jobs, strict=True):
-            args += [token, payload]
+        for _, payload in jobs:
+            args += [secrets.token_hex(8), payload]
         job_keys = [keys.job(job_id) for job_id, _ in jobs]
-        return cls(
-            [job_id for job_id, _ in jobs], queue, [*job_keys, keys.queue(queue)], args, tokens
-        )
+        return cls([job_id for job_id, _ in jobs], queue, [*job_keys, keys.queue(queue)], args)
 
     def clash(self, reply: Any) -> tuple[str, str | None] | None:
         """The job that existed before under another submit (its id and state), when the

@@ -164,3 +164,23 @@ def test_the_async_client_submits_many(
 
     ids = asyncio.run(main())
     assert ids[0] == "a1" and queued_ids(redis_client) == ids
+
+
+def test_a_refusing_redis_raises_and_queues_no_job(
+    client: Client, redis_client: redis.Redis, redis_server: RedisServer
+) -> None:
+    """Over maxmemory the first write is refused, and a user denied the queue stream
+    (NOPERM) is refused before the script runs (its keys are declared): either way the
+    call raises and nothing is written."""
+    redis_client.config_set("maxmemory", 1)
+    with pytest.raises(redis.ResponseError, match="maxmemory"):
+        client.submit_many([{"prompt": "a", "id": "o1"}, {"prompt": "b", "id": "o2"}])
+    redis_client.config_set("maxmemory", 0)
+    assert redis_client.dbsize() == 0
+    redis_client.acl_setuser(
+        "noqueue", enabled=True, passwords=["+pw"], keys=["batchd:job:*"], commands=["+@all"]
+    )
+    url = redis_server.url.replace("redis://", "redis://noqueue:pw@")
+    with Client(url, block_ms=200) as refused, pytest.raises(redis.exceptions.NoPermissionError):
+        refused.submit_many([{"prompt": "a", "id": "n1"}, {"prompt": "b", "id": "n2"}])
+    assert redis_client.dbsize() == 0
