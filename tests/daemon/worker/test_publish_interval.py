@@ -40,6 +40,8 @@ class StreamLengths:
         while not self._stop.is_set():
             self.seen.add(int(client.xlen(KEYS.events(job_id))))
             time.sleep(0.002)
+        # The length it ended at, which a poll just before the stop may have missed.
+        self.seen.add(int(client.xlen(KEYS.events(job_id))))
 
     def __enter__(self) -> StreamLengths:
         self._thread.start()
