@@ -52,6 +52,7 @@ from config.secrets import redact
 from daemon.bench.engine_system import bench_engine_config
 from daemon.bench.progress import Progress
 from daemon.bench.stats import Recorder, RunStats
+from daemon.bench.subscriber import run_as_subscriber
 from daemon.bench.systems import BATCHD, Systems, SystemUnavailable, longest_request
 from daemon.bench.workloads import Workload
 from daemon.redis_server import free_port
@@ -229,10 +230,13 @@ def _run_through_daemon(
                 _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
                 progress.phase(f"{workload.name} / batchd through Redis")
                 recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
-                # The submitting and following client and Redis share the machine with the daemon.
+                # The submitting and following client and Redis share the machine with the
+                # daemon; the client runs as the daemon's clients do (daemon.bench.subscriber).
                 cpu, server = time.process_time(), _redis_cpu_s(conn)
                 daemon_before = _daemon_times(metrics_port)
-                stats = _submit_and_follow(client, workload, recorder)
+                stats, nice = run_as_subscriber(
+                    lambda: _submit_and_follow(client, workload, recorder)
+                )
                 cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
                 daemon_times = _times_between(daemon_before, _daemon_times(metrics_port))
                 client.close()
@@ -240,7 +244,8 @@ def _run_through_daemon(
             _stop(daemon)
             _delete_prefix(conn, prefix, progress)
             conn.close()
-    return stats, {"subscriber_cpu_s": round(cpu, 3), "redis_cpu_s": server, **daemon_times}
+    figures = {"subscriber_cpu_s": round(cpu, 3), "subscriber_nice": nice, "redis_cpu_s": server}
+    return stats, {**figures, **daemon_times}
 
 
 @contextlib.contextmanager

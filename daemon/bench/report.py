@@ -142,9 +142,18 @@ def _queue_line(q: dict[str, Any]) -> str:
         f"{q['queue']['tok_s']:.1f} tok/s through Redis vs {q['reference_tok_s']:.1f} "
         f"in-process (mean of {q['in_process']['tok_s']:.1f} before and "
         f"{q['in_process_after']['tok_s']:.1f} after), {shown:.2f}x. The client "
-        f"(submit + follow) used {q['queue']['subscriber_cpu_s']:.2f} CPU-s of that "
+        f"(submit + follow{_subscriber_nice(q['queue'])}) used "
+        f"{q['queue']['subscriber_cpu_s']:.2f} CPU-s of that "
         f"{q['queue']['wall_s']:.1f} s run{_redis_cpu(q['queue'])}.{_daemon_publishing(q)}"
     )
+
+
+def _subscriber_nice(run: dict[str, Any]) -> str:
+    # Reports from before the client ran at a low priority have no niceness.
+    nice = run.get("subscriber_nice")
+    if nice is None:
+        return ""
+    return f", on a thread at nice {nice}, standing for clients on other machines"
 
 
 def _daemon_publishing(q: dict[str, Any]) -> str:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from daemon.bench.queue import (
 )
 from daemon.bench.report import _queue_line
 from daemon.bench.stats import Recorder, step_profile
+from daemon.bench.subscriber import SUBSCRIBER_NICE, run_as_subscriber
 from daemon.bench.systems import SystemSettings
 from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
 from engine.models.model_fixture import PRESETS
@@ -154,6 +158,37 @@ def test_queue_line_gives_the_daemons_publishing_against_its_steps() -> None:
     line = _queue_line(_compare(queued, IN_PROCESS, requests=32))
     assert "spent 2.0%-3.0% of its engine-step time publishing" in line, line
     assert line.endswith("In that run 0.150 s on 90 publishes against 6.00 s of engine steps.")
+
+
+def test_queue_line_says_at_what_priority_the_client_ran() -> None:
+    queued = [{**run, "subscriber_nice": 19} for run in QUEUED]
+    line = _queue_line(_compare(queued, IN_PROCESS, requests=32))
+    assert "The client (submit + follow, on a thread at nice 19, standing for clients" in line
+
+
+def test_the_subscriber_runs_on_a_thread_of_its_own_at_the_lowest_priority() -> None:
+    here = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, here)
+
+    def work() -> tuple[int, int]:
+        tid = threading.get_native_id()
+        return tid, os.getpriority(os.PRIO_PROCESS, tid)
+
+    (tid, nice_seen), nice = run_as_subscriber(work)
+    assert tid != here
+    if sys.platform.startswith("linux"):
+        assert nice == nice_seen == SUBSCRIBER_NICE
+    else:
+        assert nice is None
+    assert os.getpriority(os.PRIO_PROCESS, here) == before  # the caller's own is untouched
+
+
+def test_the_subscribers_failure_is_raised_to_the_caller() -> None:
+    def work() -> None:
+        raise QueueUnavailable("not available: job j1 failed")
+
+    with pytest.raises(QueueUnavailable, match="job j1 failed"):
+        run_as_subscriber(work)
 
 
 def test_the_daemons_times_are_left_out_where_its_metrics_cannot_be_read() -> None:

@@ -21,6 +21,7 @@ import pytest
 
 import engine  # noqa: F401  (OpenBLAS before mlx)
 from config import load_settings
+from daemon.bench.subscriber import SUBSCRIBER_NICE
 from daemon.bench.workloads import SCALES, mixed, shared_prefix
 from daemon.commands import bench as bench_cmd
 from support.redis_server import RedisServer
@@ -127,6 +128,8 @@ def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> 
     assert queue["available"], queue.get("reason")
     assert queue["ratio"] > 0 and queue["reference_tok_s"] > 0
     assert queue["queue"]["subscriber_cpu_s"] >= 0
+    if sys.platform.startswith("linux"):  # the client ran as the daemon's clients do
+        assert queue["queue"]["subscriber_nice"] == SUBSCRIBER_NICE
     # Every token went through Redis's scripts: its CPU time shows them.
     assert queue["queue"]["redis_cpu_s"] > 0
     # Read from the daemon's metrics: it published every token and stepped the engine.
