@@ -15,8 +15,9 @@ which run on other machines: it runs at the lowest CPU priority
 (daemon.bench.subscriber), so that on a small shared host it takes the cores
 the engine leaves rather than stalling its steps. A shared machine's load
 drifts by ~10% over minutes, and a noisy neighbour moves one 10-second run
-by as much, so the runs alternate: in-process, queue, in-process, ...; each queue run is divided
-by the mean of the two in-process runs around it, and the reported ratio is
+by as much, so the runs alternate: in-process, queue, in-process, ...; each
+queue run is divided by the mean of the two in-process runs around it, and
+the reported ratio is
 the median of those (best-of, the fastest queue run over the fastest
 in-process run, is reported too). Rounds go on until at least MIN_ROUNDS
 have run and the rounds have taken ROUNDS_BUDGET_S, at most MAX_ROUNDS: a

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from daemon.worker.fence import CREATE_ONLY
 from daemon.worker.jobs import Delivery, Job
 from daemon.worker.publisher import FlushResult, Publisher
@@ -58,19 +60,20 @@ def test_events_stored_by_another_daemon_mean_the_job_starts_over(
 
 
 def _append_after_an_edit(
-    publisher: Publisher, job_id: str, *, past_end: bool, status_only: bool = False
+    client: redis.Redis, job_id: str, *, past_end: bool, status_only: bool = False
 ) -> tuple[Job, FlushResult]:
     """Store a job's first three events, delete the middle one (and, ``past_end``, add one
     far past the end: the stream's length still says 3), then flush the job's next event
     (or, ``status_only``, a status field alone)."""
+    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
     job = _job(job_id)
     for token in (5, 6, 7):
         job.add_token(token, "t")
     assert publisher.flush([job]).published_events == 3
     events = KEYS.events(job_id)
-    assert publisher.redis.xdel(events, event_id(1)) == 1
+    assert client.xdel(events, event_id(1)) == 1
     if past_end:
-        publisher.redis.xadd(events, {EVENT_FIELD: Event(seq=8, token_id=9).encode()}, id="0-9")
+        client.xadd(events, {EVENT_FIELD: Event(seq=8, token_id=9).encode()}, id="0-9")
     if status_only:
         job.set_status(tokens=3)
     else:
@@ -83,10 +86,9 @@ def test_a_stream_edited_past_the_owners_end_means_the_job_starts_over(
 ) -> None:
     # Judged by the last entry, as a stream another writer extended, not refused.
     client = redis_server.client()
-    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
-    job, result = _append_after_an_edit(publisher, "edited", past_end=True)
+    job, result = _append_after_an_edit(client, "edited", past_end=True)
     assert result.reconcile == [job] and result.refused is None
-    job, result = _append_after_an_edit(publisher, "status", past_end=True, status_only=True)
+    job, result = _append_after_an_edit(client, "status", past_end=True, status_only=True)
     assert result.reconcile == [job] and result.refused is None
     assert client.hget(KEYS.job("status"), "tokens") is None
 
@@ -95,8 +97,7 @@ def test_entries_deleted_behind_the_owners_end_do_not_stop_its_appends(
     redis_server: RedisServer,
 ) -> None:
     client = redis_server.client()
-    publisher = Publisher(client, KEYS, owner="me", result_ttl_s=60)
-    job, result = _append_after_an_edit(publisher, "thinned", past_end=False)
+    job, result = _append_after_an_edit(client, "thinned", past_end=False)
     assert result.published_events == 1 and result.reconcile == [] and job.stored_events == 4
     entries: Any = client.xrange(KEYS.events("thinned"))
     assert [entry_id for entry_id, _ in entries] == [b"0-1", b"0-3", b"0-4"]
