@@ -21,8 +21,12 @@ the reported ratio is
 the median of those (best-of, the fastest queue run over the fastest
 in-process run, is reported too). Rounds go on until at least MIN_ROUNDS
 have run and the rounds have taken ROUNDS_BUDGET_S, at most MAX_ROUNDS: a
-model whose run takes 10 s (bench-small) gets a median of ~6, one whose run
-takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead).
+model whose run takes 10 s (bench-small) gets a median of ~8, one whose run
+takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead). On a
+2-core shared host one round's ratio spreads by ~5% (in-process runs of the
+same work 10.5 s and 12.1 s back to back), so the median of the ~5 rounds a
+150 s budget gave bench-small moved by ~2.5% from run to run; ~8 rounds
+narrow that for two more minutes of a bench-small run.
 Every queue round starts a fresh daemon under its own key prefix, deleted
 afterwards, so no prefix cache carries over from a previous round. Besides
 the client's CPU time, each queue run records what Redis spent (``INFO
@@ -69,8 +73,8 @@ _PREFIX = "batchd-bench"
 _START_TIMEOUT_S = 180.0
 _STOP_TIMEOUT_S = 30.0
 MIN_ROUNDS = 3
-MAX_ROUNDS = 9
-ROUNDS_BUDGET_S = 150.0
+MAX_ROUNDS = 11
+ROUNDS_BUDGET_S = 240.0
 METHOD = (
     "in-process and queue runs alternate; each queue run over the mean of the in-process "
     "runs before and after it; ratio = median over rounds"

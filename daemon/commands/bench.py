@@ -81,8 +81,8 @@ def register(sub: Any) -> None:
         default=None,
         metavar="N",
         help="queue: alternating rounds (a queue run between two in-process runs) behind the "
-        "median ratio (default: at least 3, more while the rounds have taken under 150 s, "
-        "at most 9)",
+        "median ratio (default: at least 3, more while the rounds have taken under 240 s, "
+        "at most 11)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
