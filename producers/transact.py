@@ -21,14 +21,22 @@ _TERMINAL = ", ".join(f"['{state.value}'] = true" for state in JobState if state
 
 # KEYS[1] status hash, KEYS[2] queue stream. ARGV[1] submit token, ARGV[2] job JSON,
 # then the initial status field/value pairs. Returns {'ok'} or {'exists', token, state}.
+# Redis keeps a script's writes made before a command that fails (no rollback), so a
+# queue entry refused after the status hash is written (the queue key holds another
+# type, or an ACL user may write hashes but not XADD) would leave a job that is never
+# queued, and a retry with the same submit token would take it as queued: the hash is
+# deleted again and Redis's error returned.
 SUBMIT = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local held = redis.call('HMGET', KEYS[1], 'submit_token', 'state')
   return {{'exists', held[1] or '', held[2] or ''}}
 end
-redis.call('HSET', KEYS[1], 'submit_token', ARGV[1])
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[2])
+redis.call('HSET', KEYS[1], 'submit_token', ARGV[1], unpack(ARGV, 3))
+local added = redis.pcall('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[2])
+if type(added) == 'table' and added.err then
+  redis.pcall('DEL', KEYS[1])
+  return added
+end
 return {{'ok'}}
 """
 
@@ -39,7 +47,8 @@ return {{'ok'}}
 # under another submit token unless attaching, having written nothing; else writes the
 # jobs that do not exist yet (a job holding its own token is a retried call's) in order
 # and returns {'ok'}. One XADD after another in one script: a daemon blocked on the
-# queue is answered once, with every job.
+# queue is answered once, with every job. A refused XADD (see SUBMIT) undoes the call's
+# writes, entries and hashes, and returns Redis's error: all or none still.
 SUBMIT_MANY = f"""
 local n = #KEYS - 1
 local first = 3 + 2 * tonumber(ARGV[2])
@@ -55,10 +64,20 @@ for i = 1, n do
     fresh[#fresh + 1] = i
   end
 end
+local written = {{}}
 for _, i in ipairs(fresh) do
   local at = first + 2 * (i - 1)
   redis.call('HSET', KEYS[i], 'submit_token', ARGV[at], unpack(ARGV, 3, first - 1))
-  redis.call('XADD', KEYS[n + 1], '*', '{JOB_FIELD}', ARGV[at + 1])
+  local added = redis.pcall('XADD', KEYS[n + 1], '*', '{JOB_FIELD}', ARGV[at + 1])
+  if type(added) == 'table' and added.err then
+    redis.pcall('DEL', KEYS[i])
+    for _, done in ipairs(written) do
+      redis.pcall('XDEL', KEYS[n + 1], done[2])
+      redis.pcall('DEL', KEYS[done[1]])
+    end
+    return added
+  end
+  written[#written + 1] = {{i, added}}
 end
 return {{'ok'}}
 """

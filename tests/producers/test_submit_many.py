@@ -184,3 +184,47 @@ def test_a_refusing_redis_raises_and_queues_no_job(
     with Client(url, block_ms=200) as refused, pytest.raises(redis.exceptions.NoPermissionError):
         refused.submit_many([{"prompt": "a", "id": "n1"}, {"prompt": "b", "id": "n2"}])
     assert redis_client.dbsize() == 0
+
+
+def test_a_queue_entry_refused_mid_script_leaves_no_job_behind(
+    client: Client, redis_client: redis.Redis, redis_server: RedisServer
+) -> None:
+    """Refusals that reach the script after it wrote a status hash: the queue key holding
+    another type, a user denied XADD itself, the stream out of ids after the call's first
+    entry. Redis keeps a failed script's earlier writes, so the scripts undo them: the
+    call raises Redis's error, and no hash or entry of it is left (a hash left alone would
+    make the job id taken by a job never queued, and a retry take it as queued)."""
+    queue = KEYS.queue("default")
+    redis_client.set(queue, "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        client.submit(prompt="a", id="w1")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        client.submit_many([{"prompt": "a", "id": "w1"}, {"prompt": "b", "id": "w2"}])
+    assert redis_client.keys("batchd:job:*") == []
+    redis_client.delete(queue)
+    assert client.submit(prompt="a", id="w1").id == "w1"
+    assert queued_ids(redis_client) == ["w1"]
+
+    redis_client.acl_setuser(
+        "noxadd", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-xadd"]
+    )
+    url = redis_server.url.replace("redis://", "redis://noxadd:pw@")
+    # redis-server 7.0 words a command denied inside a script without the NOPERM code.
+    denied_xadd = "NOPERM|can't run this command"
+    with Client(url, block_ms=200) as denied:
+        with pytest.raises(redis.ResponseError, match=denied_xadd):
+            denied.submit(prompt="a", id="d1")
+        with pytest.raises(redis.ResponseError, match=denied_xadd):
+            denied.submit_many([{"prompt": "a", "id": "d1"}, {"prompt": "b", "id": "d2"}])
+    assert not redis_client.exists(KEYS.job("d1"), KEYS.job("d2"))
+
+    # The next id after this one is the last a stream can hold: the call's first entry
+    # goes in, its second is refused, and the first is taken out again.
+    last_but_one = f"{2**64 - 1}-{2**64 - 2}"
+    redis_client.xadd(KEYS.queue("full"), {"x": "y"}, id=last_but_one)
+    with pytest.raises(redis.ResponseError, match="exhausted"):
+        client.submit_many([{"prompt": "a", "id": "e1"}, {"prompt": "b", "id": "e2"}], queue="full")
+    assert [entry_id for entry_id, _ in redis_client.xrange(KEYS.queue("full"))] == [
+        last_but_one.encode()
+    ]
+    assert not redis_client.exists(KEYS.job("e1"), KEYS.job("e2"))

@@ -19,6 +19,8 @@ import pytest
 import redis
 
 from producers.client import Client
+from producers.errors import JobFailed
+from producers.schema import JobState
 from support.daemon_harness import (
     ROOT,
     FakeGenerator,
@@ -212,3 +214,46 @@ def test_a_bad_url_setting_does_not_print_the_password() -> None:
     assert proc.returncode == 2
     assert "redis_url" in proc.stderr and "***" in proc.stderr
     assert SECRET not in proc.stderr
+
+
+def _producer_acl_from_readme() -> list[str]:
+    """The README's producer-only command list (the backticked run after "narrower
+    still:"), so the documented user is the one tested."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    _, _, after = text.partition("A producer-only service can be narrower still: `")
+    commands, _, _ = after.partition("`")
+    assert commands.startswith("+"), "README: the producer-only command list is missing"
+    return commands.split()
+
+
+def test_the_documented_producer_user_submits_follows_and_cancels(tmp_path: Path) -> None:
+    """A producer service given only the README's producer commands on batchd's keys
+    cancels a queued job, submits (one job, several), follows jobs to their results
+    and reads a status, while a daemon serves as the full batchd user. The scripts' own
+    commands (EXISTS, HMGET...) are checked by Redis against that user too; the script
+    cache is flushed first, so the client loads the scripts itself."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", "batchd", *BATCHD_ACL)
+        producer_acl = ["on", ">pw", "~batchd:*", "-@all", *_producer_acl_from_readme()]
+        admin.execute_command("ACL", "SETUSER", "producer", *producer_acl)
+        admin.script_flush()
+        url = f"redis://batchd:{SECRET}@127.0.0.1:{server.port}/0"
+        producer_url = f"redis://producer:pw@127.0.0.1:{server.port}/0"
+        with Client(producer_url) as client:
+            cancelled = client.submit(prompt_token_ids=[1, 2], max_tokens=4)
+            assert cancelled.cancel()
+            with worker_thread(fast_settings(url), FakeGenerator):
+                handle = client.submit(prompt_token_ids=[5, 6, 7], max_tokens=6, seed=1)
+                assert handle.result(timeout=30).token_ids == expected_fake_tokens([5, 6, 7], 1, 6)
+                jobs = [{"prompt_token_ids": [8, 9], "max_tokens": 4, "seed": 2}] * 3
+                for job in client.submit_many(jobs):
+                    assert job.result(timeout=30).token_ids == expected_fake_tokens([8, 9], 2, 4)
+                with pytest.raises(JobFailed, match="cancelled"):
+                    cancelled.result(timeout=30)
+            assert client.status(handle.id).state is JobState.finished
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(producer_url).xreadgroup("g", "c", {"batchd:queue:default": ">"})
+    finally:
+        server.kill()
