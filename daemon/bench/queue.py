@@ -26,7 +26,7 @@ takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead). On a
 2-core shared host one round's ratio spreads by ~5% (in-process runs of the
 same work 10.5 s and 12.1 s back to back), so the median of the ~5 rounds a
 150 s budget gave bench-small moved by ~2.5% from run to run; ~8 rounds
-narrow that for two more minutes of a bench-small run.
+narrow that for ~1.5 more minutes of a bench-small run.
 Every queue round starts a fresh daemon under its own key prefix, deleted
 afterwards, so no prefix cache carries over from a previous round. Besides
 the client's CPU time, each queue run records what Redis spent (``INFO
