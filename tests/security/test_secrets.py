@@ -253,7 +253,8 @@ def test_the_documented_producer_user_submits_follows_and_cancels(tmp_path: Path
                 with pytest.raises(JobFailed, match="cancelled"):
                     cancelled.result(timeout=30)
             assert client.status(handle.id).state is JobState.finished
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            redis.Redis.from_url(producer_url).xreadgroup("g", "c", {"batchd:queue:default": ">"})
+        with redis.Redis.from_url(producer_url) as producer:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                producer.xreadgroup("g", "c", {"batchd:queue:default": ">"})
     finally:
         server.kill()
