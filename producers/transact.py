@@ -19,26 +19,45 @@ from producers.schema import JobState
 
 _TERMINAL = ", ".join(f"['{state.value}'] = true" for state in JobState if state.terminal)
 
+# Lua shared by the submit scripts: ``enqueue`` appends a job's entry after its status
+# hash is written. Redis keeps a script's writes made before a command that fails (no
+# rollback), so an entry refused there (the queue key holds another type, an ACL user
+# may write hashes but not XADD, the stream is out of ids) would leave a job that is
+# never queued, and a retry with the same submit token would take it as queued: the
+# refusal deletes that hash and the entries and hashes the script wrote before, and
+# ``enqueue`` returns Redis's error for the script to return (nil once queued).
+_ENQUEUE = f"""
+local written = {{}}
+local function enqueue(hash, stream, payload)
+  local added = redis.pcall('XADD', stream, '*', '{JOB_FIELD}', payload)
+  if type(added) == 'table' and added.err then
+    redis.pcall('DEL', hash)
+    for _, done in ipairs(written) do
+      redis.pcall('XDEL', stream, done[2])
+      redis.pcall('DEL', done[1])
+    end
+    return added
+  end
+  written[#written + 1] = {{hash, added}}
+end
+"""
+
 # KEYS[1] status hash, KEYS[2] queue stream. ARGV[1] submit token, ARGV[2] job JSON,
-# then the initial status field/value pairs. Returns {'ok'} or {'exists', token, state}.
-# Redis keeps a script's writes made before a command that fails (no rollback), so a
-# queue entry refused after the status hash is written (the queue key holds another
-# type, or an ACL user may write hashes but not XADD) would leave a job that is never
-# queued, and a retry with the same submit token would take it as queued: the hash is
-# deleted again and Redis's error returned.
-SUBMIT = f"""
+# then the initial status field/value pairs. Returns {'ok'}, {'exists', token, state},
+# or Redis's error when the entry is refused (nothing left written: _ENQUEUE).
+SUBMIT = (
+    _ENQUEUE
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local held = redis.call('HMGET', KEYS[1], 'submit_token', 'state')
-  return {{'exists', held[1] or '', held[2] or ''}}
+  return {'exists', held[1] or '', held[2] or ''}
 end
 redis.call('HSET', KEYS[1], 'submit_token', ARGV[1], unpack(ARGV, 3))
-local added = redis.pcall('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[2])
-if type(added) == 'table' and added.err then
-  redis.pcall('DEL', KEYS[1])
-  return added
-end
-return {{'ok'}}
+local refused = enqueue(KEYS[1], KEYS[2], ARGV[2])
+if refused then return refused end
+return {'ok'}
 """
+)
 
 # Several jobs onto one queue, all or none. KEYS: each job's status hash, then the queue
 # stream. ARGV[1] '1' to attach to jobs that exist, ARGV[2] the count k of initial status
@@ -47,40 +66,34 @@ return {{'ok'}}
 # under another submit token unless attaching, having written nothing; else writes the
 # jobs that do not exist yet (a job holding its own token is a retried call's) in order
 # and returns {'ok'}. One XADD after another in one script: a daemon blocked on the
-# queue is answered once, with every job. A refused XADD (see SUBMIT) undoes the call's
-# writes, entries and hashes, and returns Redis's error: all or none still.
-SUBMIT_MANY = f"""
+# queue is answered once, with every job. A refused entry undoes the call's writes and
+# returns Redis's error (_ENQUEUE): all or none still.
+SUBMIT_MANY = (
+    _ENQUEUE
+    + """
 local n = #KEYS - 1
 local first = 3 + 2 * tonumber(ARGV[2])
-local fresh = {{}}
+local fresh = {}
 for i = 1, n do
   local token = ARGV[first + 2 * (i - 1)]
   if redis.call('EXISTS', KEYS[i]) == 1 then
     local held = redis.call('HMGET', KEYS[i], 'submit_token', 'state')
     if held[1] ~= token and ARGV[1] ~= '1' then
-      return {{'exists', i, held[1] or '', held[2] or ''}}
+      return {'exists', i, held[1] or '', held[2] or ''}
     end
   else
     fresh[#fresh + 1] = i
   end
 end
-local written = {{}}
 for _, i in ipairs(fresh) do
   local at = first + 2 * (i - 1)
   redis.call('HSET', KEYS[i], 'submit_token', ARGV[at], unpack(ARGV, 3, first - 1))
-  local added = redis.pcall('XADD', KEYS[n + 1], '*', '{JOB_FIELD}', ARGV[at + 1])
-  if type(added) == 'table' and added.err then
-    redis.pcall('DEL', KEYS[i])
-    for _, done in ipairs(written) do
-      redis.pcall('XDEL', KEYS[n + 1], done[2])
-      redis.pcall('DEL', KEYS[done[1]])
-    end
-    return added
-  end
-  written[#written + 1] = {{i, added}}
+  local refused = enqueue(KEYS[i], KEYS[n + 1], ARGV[at + 1])
+  if refused then return refused end
 end
-return {{'ok'}}
+return {'ok'}
 """
+)
 
 # KEYS[1] status hash, KEYS[2] cancel stream; ARGV[1] job id, ARGV[2] cancel stream MAXLEN.
 # Returns the job's state ('' when there is no status hash) and 1 if the request was made.
