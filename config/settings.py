@@ -77,7 +77,7 @@ class DaemonSettings(_Section):
     """How long an idle daemon blocks on XREADGROUP, in ms."""
     publish_interval_ms: int | None = Field(None, ge=0, le=60_000)
     """While busy, send the jobs' tokens to Redis at most this often, in ms (0: after every
-    step); a job's first token and its end go out at once. Unset: 50 where the engine
+    step); a job's first token and its end go out at once. Unset: 100 where the engine
     computes on the CPU (each publish stops it for a round trip), else 0."""
     grace_period_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT, time running jobs get to finish."""

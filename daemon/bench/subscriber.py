@@ -8,7 +8,7 @@ next step, and the engine's threads, which wait for each other at the end of eve
 product, all stall for it. At the lowest priority it takes the cores the engine leaves:
 the daemon's publish round trips and the end of the run, when the last token arrives.
 (Alternating queue rounds with and without, within one bench-small run on 2 cores:
-see README, Performance.) Its CPU time is still reported.
+see docs/bench/HISTORY.md, Subscriber at nice 19.) Its CPU time is still reported.
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ engine on the CPU (``Generator.steps_use_cpu``) keeps every core busy: there the
 waits for the replies between steps, as it does after short steps (OVERLAP_MIN_STEP_S)
 and while idle. (Run beside the step, the pipeline's Python, Redis running it and the
 subscribers it wakes take cores from the engine's threads mid-step, which wait for each
-other: on 2 cores that cost the daemon more than the round trip it hid, see README.) No
-Redis command of this thread runs while a pipeline is in flight, so Redis sees the
-daemon's commands in the order of a loop that waits for every reply. While busy, every
-job's outbox goes out at most each ``daemon.publish_interval_ms`` (unset:
-CPU_PUBLISH_INTERVAL_MS on the CPU, else every step); between, only outboxes someone
-waits on (Job.urgent), with the acks of finished jobs riding along.
+other: on 2 cores that cost the daemon more than the round trip it hid, see
+docs/bench/HISTORY.md.) No Redis command of this thread runs while a pipeline is in
+flight, so Redis sees the daemon's commands in the order of a loop that waits for every
+reply. While busy, every job's outbox goes out at most each
+``daemon.publish_interval_ms`` (unset: CPU_PUBLISH_INTERVAL_MS on the CPU, else every
+step); between, only outboxes someone waits on (Job.urgent), with the acks of finished
+jobs riding along.
 Signals set a flag: intake stops, running jobs get the grace period to
 finish, the rest stay pending in the group (their published events are the
 checkpoint), and ``run`` returns.
@@ -68,7 +69,8 @@ EXIT_STALLED = 70
 # Measured on 2 cores with 8-token jobs on the tiny model (3.4 ms steps): overlapping them
 # cut the daemon's requests/s by ~20%; on bench-small (20-60 ms steps, when OpenBLAS ran the
 # products) it raised its throughput through Redis by 9% (median of ten alternating pairs,
-# see README). An engine on the CPU is never overlapped now (Generator.steps_use_cpu).
+# see docs/bench/HISTORY.md). An engine on the CPU is never overlapped now
+# (Generator.steps_use_cpu).
 OVERLAP_MIN_STEP_S = 0.010
 
 # Where the engine computes on the CPU and ``daemon.publish_interval_ms`` is unset: each
@@ -76,8 +78,10 @@ OVERLAP_MIN_STEP_S = 0.010
 # script runs included), and Redis and the followers it wakes take cores from the next
 # step, so tokens between a job's first and last go out at most this often. bench-small
 # (15-25 ms steps) through Redis: 0.978x in-process against 0.918x publishing every step
-# (medians of 6 alternating queue rounds); steps of 50 ms or more publish as before.
-CPU_PUBLISH_INTERVAL_MS = 50
+# (medians of 6 alternating queue rounds), and 1.01x at 100 ms against 0.98x at 50 ms
+# (medians of 12 rounds in four queue-only runs alternating the two: 80 publishes a run
+# instead of 110); steps of 100 ms or more publish as before.
+CPU_PUBLISH_INTERVAL_MS = 100
 
 # How often the loop refreshes the heartbeat's figures (written every heartbeat interval,
 # a second by default): computing them each turn cost ~30 us, 0.2% of bench-small's steps.
