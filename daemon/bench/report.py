@@ -121,15 +121,26 @@ def _steps_line(steps: dict[str, Any]) -> str:
     def ms(key: str) -> str:
         return f"{steps[key] * 1e3:.1f}"
 
-    only = steps["decode_only_p50_s"]
-    spread = steps["decode_only_p99_s"] / only if only else 0.0
-    return (
+    def spread(p50: str, p99: str) -> float:
+        return steps[p99] / steps[p50] if steps[p50] else 0.0
+
+    line = (
         "batchd's engine steps, weighted by the decodes each holds up: all p50 / p99 "
         f"{ms('step_p50_s')} / {ms('step_p99_s')} ms; decode-only steps "
-        f"{ms('decode_only_p50_s')} / {ms('decode_only_p99_s')} ms ({spread:.2f}x: ITL p99 / p50 "
+        f"{ms('decode_only_p50_s')} / {ms('decode_only_p99_s')} ms "
+        f"({spread('decode_only_p50_s', 'decode_only_p99_s'):.2f}x: ITL p99 / p50 "
         "with no prefill at all, machine jitter and batch sizes alone); steps carrying prefill "
         f"{ms('with_prefill_p50_s')} / {ms('with_prefill_p99_s')} ms, "
         f"{steps['gap_share_with_prefill']:.0%} of the gaps."
+    )
+    if not steps["same_batch_steps"]:
+        return line
+    batch = steps["same_batch_decodes"]
+    return line + (
+        f" The {steps['same_batch_steps']} decode-only steps of {batch} "
+        f"sequence{'s' if batch > 1 else ''}, the commonest batch, {ms('same_batch_p50_s')} / "
+        f"{ms('same_batch_p99_s')} ms ({spread('same_batch_p50_s', 'same_batch_p99_s'):.2f}x: "
+        "the same work every step but for the contexts' growth, the machine's jitter)."
     )
 
 

@@ -9,6 +9,7 @@ one request.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -88,10 +89,15 @@ def step_profile(steps: Sequence[StepStats]) -> dict[str, Any]:
     Split by steps that carry prefill and steps that do not: the decode-only
     steps' p99 / p50 is what ITL p99 / p50 would be with no prefill at all
     (batch sizes that change, and the machine's own jitter), the part of the
-    ITL spread that a prefill bound cannot remove.
+    ITL spread that a prefill bound cannot remove. The decode-only steps of the
+    commonest batch size do the same work but for their contexts' growth, so
+    their spread is the machine's jitter alone.
     """
     decode_only = [s for s in steps if s.num_decode_tokens and not s.num_prefill_tokens]
     with_prefill = [s for s in steps if s.num_decode_tokens and s.num_prefill_tokens]
+    sizes = Counter(s.num_decode_tokens for s in decode_only).most_common(1)
+    same_batch = sizes[0][0] if sizes else 0
+    same_times = [s.step_time_s for s in decode_only if s.num_decode_tokens == same_batch]
 
     def weighted(part: Sequence[StepStats], q: float) -> float:
         return percentile([s.step_time_s for s in part for _ in range(s.num_decode_tokens)], q)
@@ -109,6 +115,10 @@ def step_profile(steps: Sequence[StepStats]) -> dict[str, Any]:
         "decode_only_p99_s": round(weighted(decode_only, 99), 5),
         "with_prefill_p50_s": round(weighted(with_prefill, 50), 5),
         "with_prefill_p99_s": round(weighted(with_prefill, 99), 5),
+        "same_batch_decodes": same_batch,
+        "same_batch_steps": len(same_times),
+        "same_batch_p50_s": round(percentile(same_times, 50), 5),
+        "same_batch_p99_s": round(percentile(same_times, 99), 5),
     }
 
 

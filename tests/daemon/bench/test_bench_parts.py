@@ -132,6 +132,21 @@ def test_step_profile_weights_steps_by_the_decodes_they_hold_up() -> None:
     assert profile["with_prefill_p50_s"] == 0.030
 
 
+def test_step_profile_times_the_commonest_decode_batch_alone() -> None:
+    def step(seconds: float, decodes: int) -> StepStats:
+        return StepStats(step=0, step_time_s=seconds, num_decode_tokens=decodes)
+
+    # Three steps of 4 decodes, one of them slow; two larger, slower steps of 30 decodes
+    # that outweigh them by gaps but not by count.
+    steps = [step(0.010, 4), step(0.010, 4), step(0.020, 4), step(0.050, 30), step(0.050, 30)]
+    profile = step_profile(steps)
+    assert profile["decode_only_p50_s"] == 0.050
+    assert (profile["same_batch_decodes"], profile["same_batch_steps"]) == (4, 3)
+    assert profile["same_batch_p50_s"] == 0.010
+    assert 0.010 < profile["same_batch_p99_s"] < 0.020
+    assert step_profile([])["same_batch_steps"] == 0
+
+
 # Three queue rounds between four in-process runs: 68.8 / 75.0, 80.0 / 74.75 and
 # 73.0 / 73.75 tok/s, the third the median.
 IN_PROCESS = [{"tok_s": tok_s, "ttft_p50_s": 1.0} for tok_s in (73.0, 77.0, 72.5, 75.0)]

@@ -120,7 +120,10 @@ def test_online_compares_latency_at_the_same_arrivals(bench_run: BenchRun) -> No
     steps = online["systems"]["batchd"]["engine_steps"]
     assert steps["steps"] > 0 and steps["step_p99_s"] >= steps["step_p50_s"] > 0
     assert "engine_steps" not in online["systems"]["batchgen"]
-    assert "batchd's engine steps" in (bench_run.out / "report.md").read_text()
+    assert steps["same_batch_steps"] > 0 and steps["same_batch_decodes"] > 0
+    assert steps["same_batch_p99_s"] >= steps["same_batch_p50_s"] > 0
+    report = (bench_run.out / "report.md").read_text()
+    assert "batchd's engine steps" in report and "the commonest batch" in report
 
 
 def test_queue_runs_through_a_daemon_against_in_process(bench_run: BenchRun) -> None:
