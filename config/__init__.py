@@ -1,23 +1,9 @@
-"""batchd configuration: the Settings object and its documented defaults."""
+"""batchd configuration.
 
-from config.settings import (
-    DEFAULT_REDIS_URL,
-    NAME_PATTERN,
-    DaemonSettings,
-    LimitSettings,
-    Settings,
-    SettingsError,
-    default_consumer_name,
-    load_settings,
-)
+- :mod:`batchd.config.limits`: what a producer needs (the default Redis URL, the name
+  rule, the job limits); imports nothing of the engine.
+- :mod:`batchd.config.settings`: the whole Settings object (the daemon's, the engine's
+  options among them) and :func:`~batchd.config.settings.load_settings`.
 
-__all__ = [
-    "DEFAULT_REDIS_URL",
-    "NAME_PATTERN",
-    "DaemonSettings",
-    "LimitSettings",
-    "Settings",
-    "SettingsError",
-    "default_consumer_name",
-    "load_settings",
-]
+This package imports neither, so importing one never loads the other.
+"""

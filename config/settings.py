@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StringConstraints,
     ValidationError,
@@ -28,39 +26,14 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from config.secrets import redact
-from engine.config import EngineConfig
+from batchd.config.limits import DEFAULT_REDIS_URL, NAME_PATTERN, LimitSettings, Section
+from batchd.config.secrets import redact
+from batchd.engine.config import EngineConfig
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-# Job ids and queue names become parts of Redis keys (``batchd:job:<id>:events``): no ``:``
-# (job ``X:events`` would collide with job X's events stream), no spaces or glob characters.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 CONFIG_ENV_VAR = "BATCHD_CONFIG"
 
 
-class _Section(BaseModel):
-    # Each option's docstring is its description (JSON schema, documentation).
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
-
-
-class LimitSettings(_Section):
-    """Limits applied to every job at validation time."""
-
-    max_prompt_tokens: int = Field(32768, ge=1)
-    """Longest prompt accepted, in tokens."""
-    max_prompt_chars: int = Field(200_000, ge=1)
-    """Longest prompt text (or all messages) in characters."""
-    max_tokens_cap: int = Field(4096, ge=1)
-    """Largest max_tokens a job may ask for."""
-    max_message_bytes: int = Field(1_000_000, ge=1)
-    """Largest job payload on the queue stream, in bytes."""
-    max_messages: int = Field(256, ge=1)
-    """Most chat messages in one job."""
-
-
-class DaemonSettings(_Section):
+class DaemonSettings(Section):
     """The long-lived worker process."""
 
     consumer_name: str | None = None

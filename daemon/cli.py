@@ -1,7 +1,7 @@
 """The ``batchd`` command: one entry point, a subcommand per capability.
 
 Each capability module exposes ``register(subparsers)``, adding its
-subcommands with :func:`producers.commands.subcommand.add_command` (the
+subcommands with :func:`batchd.producers.commands.subcommand.add_command` (the
 handler's docstring is the command's help); a handler takes the parsed
 arguments and the loaded Settings and returns the exit code. Modules are
 imported lazily by name so that a producer-only install (no MLX) still has
@@ -15,19 +15,19 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from config import Settings, SettingsError, load_settings
-from producers.telemetry import LOG_FORMATS, configure_logging
+from batchd.config.settings import Settings, SettingsError, load_settings
+from batchd.producers.telemetry import LOG_FORMATS, configure_logging
 
 COMMAND_MODULES = (
-    "producers.commands.jobs",
-    "producers.commands.bulk",
-    "producers.commands.top",
-    "producers.commands.gateway",
-    "daemon.commands.model",
-    "daemon.commands.serve",
-    "daemon.commands.demo",
-    "daemon.commands.bench",
-    "daemon.commands.chaos",
+    "batchd.producers.commands.jobs",
+    "batchd.producers.commands.bulk",
+    "batchd.producers.commands.top",
+    "batchd.producers.commands.gateway",
+    "batchd.daemon.commands.model",
+    "batchd.daemon.commands.serve",
+    "batchd.daemon.commands.demo",
+    "batchd.daemon.commands.bench",
+    "batchd.daemon.commands.chaos",
 )
 
 

@@ -1,9 +1,9 @@
 """batchd's inference engine: paged KV, continuous batching, MLX forward.
 
-Importing this package first preloads OpenBLAS on Linux (see engine.blas) so
-that MLX's CPU matrix products are fast. The MLX-backed names are resolved
-lazily: the pure-Python scheduling modules (sequence, block_manager,
-scheduler) import without MLX.
+Importing this package loads nothing but itself: the pure-Python parts (the options,
+the scheduling modules) import without MLX or a BLAS. The MLX-backed names below are
+resolved lazily, and every module that imports MLX first imports
+:mod:`batchd.engine.preload` (OpenBLAS on Linux, before MLX).
 """
 
 from __future__ import annotations
@@ -11,15 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from engine.blas import preload_openblas
-
-preload_openblas()
-
 _LAZY = {
-    "LLMEngine": "engine.llm_engine",
-    "EngineConfig": "engine.config",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.llm_engine",
+    "LLMEngine": "batchd.engine.llm_engine",
+    "EngineConfig": "batchd.engine.config",
+    "SamplingParams": "batchd.engine.sampling_params",
+    "RequestOutput": "batchd.engine.llm_engine",
 }
 
 __all__ = sorted(_LAZY)

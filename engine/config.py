@@ -1,7 +1,7 @@
 """Engine limits and policies: the documented options of the scheduler and KV pool.
 
 This dataclass is the one definition of the engine's options: the daemon's
-settings (``config.settings.Settings.engine``) validate TOML and environment
+settings (``batchd.config.settings.Settings.engine``) validate TOML and environment
 values straight into it, so the engine never depends on the settings
 machinery and no option is written twice.
 """

@@ -20,25 +20,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.constraints import GrammarTokenizer
-from engine.exceptions import InvalidRequest
-from engine.forward.kv_pool import KVPool, size_pool
-from engine.forward.model_runner import ModelRunner
-from engine.logits_processors import PENALTY_CONTEXT
-from engine.models.loader import LoadedModel, load
-from engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
-from engine.prompt import encode_prompt
-from engine.request_state import RequestState, TokenVerdict
-from engine.sampler import SampleRow, sample
-from engine.sampling_params import SamplingParams
-from engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
-from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import FinishReason
-from engine.scheduling.sequence import Sequence as Seq
+from batchd.engine.config import EngineConfig
+from batchd.engine.constraints import GrammarTokenizer
+from batchd.engine.exceptions import InvalidRequest
+from batchd.engine.forward.kv_pool import KVPool, size_pool
+from batchd.engine.forward.model_runner import ModelRunner
+from batchd.engine.logits_processors import PENALTY_CONTEXT
+from batchd.engine.models.loader import LoadedModel, load
+from batchd.engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
+from batchd.engine.prompt import encode_prompt
+from batchd.engine.request_state import RequestState, TokenVerdict
+from batchd.engine.sampler import SampleRow, sample
+from batchd.engine.sampling_params import SamplingParams
+from batchd.engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
+from batchd.engine.scheduling.scheduler import Scheduler
+from batchd.engine.scheduling.sequence import FinishReason
+from batchd.engine.scheduling.sequence import Sequence as Seq
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from batchd.engine.sampling_params import SamplingParams
 
 # mlx-lm's penalties look at this many most recent tokens.
 PENALTY_CONTEXT = 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.scheduling.sequence import FinishReason
+from batchd.engine.scheduling.sequence import FinishReason
 
 
 @dataclass(frozen=True)

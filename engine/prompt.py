@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.exceptions import InvalidRequest
+from batchd.engine.exceptions import InvalidRequest
 
 
 def encode_prompt(

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constraints import RowMatcher
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
-from engine.sampling_params import SamplingParams
-from engine.scheduling.sequence import FinishReason
+from batchd.engine.constraints import RowMatcher
+from batchd.engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from batchd.engine.sampling_params import SamplingParams
+from batchd.engine.scheduling.sequence import FinishReason
 
 
 @dataclass(frozen=True)

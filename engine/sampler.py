@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.logits_processors import needs_processing, process_row
-from engine.sampling_params import SamplingParams
+from batchd.engine.logits_processors import needs_processing, process_row
+from batchd.engine.sampling_params import SamplingParams
 
 # top-p looks at this many best candidates first, sorting the whole row only if needed.
 _TOP_P_CANDIDATES = 512

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constraints.grammar import Constraint
-from engine.exceptions import InvalidRequest
+from batchd.engine.constraints.grammar import Constraint
+from batchd.engine.exceptions import InvalidRequest
 
 MAX_LOGPROBS = 20
 # OpenAI's bounds for the additive controls.

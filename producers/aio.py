@@ -1,4 +1,4 @@
-"""The asyncio client (redis.asyncio): the same API as :mod:`producers.client`, awaited.
+"""The asyncio client (redis.asyncio): the same API as :mod:`batchd.producers.client`, awaited.
 
 >>> client = AsyncClient("redis://127.0.0.1:6379/0")
 >>> job = await client.submit(prompt="Hello", max_tokens=32)
@@ -14,17 +14,17 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from config import DEFAULT_REDIS_URL
-from producers.base import ClientBase, HandleBase, JobLike
-from producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
-from producers.keys import check_name
-from producers.result import JobResult, acollect
-from producers.schema import Event, JobStatus
-from producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
+from batchd.config.limits import DEFAULT_REDIS_URL
+from batchd.producers.base import ClientBase, HandleBase, JobLike
+from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
+from batchd.producers.keys import check_name
+from batchd.producers.result import JobResult, acollect
+from batchd.producers.schema import Event, JobStatus
+from batchd.producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
 
 
 class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
-    """Asyncio twin of :class:`~producers.client.Client`; see it for the semantics."""
+    """Asyncio twin of :class:`~batchd.producers.client.Client`; see it for the semantics."""
 
     def __init__(self, redis_url: str | aioredis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
         super().__init__(**options)
@@ -52,7 +52,7 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
     async def submit_many(
         self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False
     ) -> list[AsyncJobHandle]:
-        """See :meth:`producers.client.Client.submit_many`."""
+        """See :meth:`batchd.producers.client.Client.submit_many`."""
         plan = self.plan_submit_many(jobs, queue, attach=idempotent)
         reply = await self._submit_many(keys=plan.keys, args=plan.args)
         return [AsyncJobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
@@ -64,21 +64,21 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         return self.parse_status(job_id, await self.redis.hgetall(self.keys.job(job_id)))
 
     async def cancel(self, job_id: str) -> bool:
-        """See :meth:`producers.client.Client.cancel`."""
+        """See :meth:`batchd.producers.client.Client.cancel`."""
         plan = CancelPlan.make(self.keys, job_id)
         return self.cancel_made(plan, await self._cancel(keys=plan.keys, args=plan.args))
 
     async def stream(
         self, job_id: str, *, after_seq: int = -1, timeout: float | None = None
     ) -> AsyncIterator[Event]:
-        """See :meth:`producers.client.Client.stream`."""
+        """See :meth:`batchd.producers.client.Client.stream`."""
         follower = self.follower(timeout=timeout)
         follower.add(job_id, after_seq=after_seq)
         async for delivery in follow(self.redis, follower):
             yield delivery.event
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        """See :meth:`producers.client.Client.result`."""
+        """See :meth:`batchd.producers.client.Client.result`."""
         return await acollect(job_id, self.stream(job_id, timeout=timeout))
 
 
@@ -99,7 +99,7 @@ class AsyncJobHandle(HandleBase["AsyncClient"]):
 
 
 async def follow(connection: aioredis.Redis, follower: Follower) -> AsyncIterator[Delivery]:
-    """Drive a :class:`~producers.follow.Follower` plan with asyncio I/O."""
+    """Drive a :class:`~batchd.producers.follow.Follower` plan with asyncio I/O."""
     driver = PlanDriver(follower.plan())
     while (step := driver.next_step()) is not None:
         if isinstance(step, Delivery):

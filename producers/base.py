@@ -1,7 +1,7 @@
 """What the sync and async clients share: building requests, key names, decisions.
 
-Everything here is free of I/O, so :mod:`producers.client` and
-:mod:`producers.aio` differ only in how they talk to Redis.
+Everything here is free of I/O, so :mod:`batchd.producers.client` and
+:mod:`batchd.producers.aio` differ only in how they talk to Redis.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from config import LimitSettings
-from producers.errors import JobNotFound, ValidationError
-from producers.follow import Follower
-from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name
-from producers.schema import (
+from batchd.config.limits import LimitSettings
+from batchd.producers.errors import JobNotFound, ValidationError
+from batchd.producers.follow import Follower
+from batchd.producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name
+from batchd.producers.schema import (
     JobRequest,
     JobState,
     JobStatus,
@@ -23,7 +23,7 @@ from producers.schema import (
     now,
     validate_job,
 )
-from producers.transact import CancelPlan, SubmitManyPlan, SubmitPlan
+from batchd.producers.transact import CancelPlan, SubmitManyPlan, SubmitPlan
 
 ConnectionT = TypeVar("ConnectionT")
 # What submitting gives: a job handle, or (asyncio) an awaitable of one.
@@ -39,8 +39,8 @@ SOCKET_TIMEOUT_MARGIN_S = 10.0
 
 
 class ClientBase(ABC, Generic[SubmittedT]):
-    """Options and I/O-free logic of :class:`~producers.client.Client` and
-    :class:`~producers.aio.AsyncClient`.
+    """Options and I/O-free logic of :class:`~batchd.producers.client.Client` and
+    :class:`~batchd.producers.aio.AsyncClient`.
 
     ``limits`` (usually ``Settings().limits``) are checked client-side at
     submit, so a job the daemon would refuse fails at once with a

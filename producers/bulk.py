@@ -29,15 +29,15 @@ import redis
 from rq import Retry, get_current_job
 from rq.job import Job
 
-from config import LimitSettings
-from producers.bulk_worker import RQ_QUEUE, rq_queue
-from producers.client import Client, follow
-from producers.errors import BulkBusy, JobFailed, ValidationError
-from producers.follow import Follower
-from producers.gateway.batch_lines import custom_id_of, is_openai_line, openai_job
-from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
-from producers.result import ResultBuilder
-from producers.schema import Event, JobRequest, validate_job
+from batchd.config.limits import LimitSettings
+from batchd.producers.bulk_worker import RQ_QUEUE, rq_queue
+from batchd.producers.client import Client, follow
+from batchd.producers.errors import BulkBusy, JobFailed, ValidationError
+from batchd.producers.follow import Follower
+from batchd.producers.gateway.batch_lines import custom_id_of, is_openai_line, openai_job
+from batchd.producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from batchd.producers.result import ResultBuilder
+from batchd.producers.schema import Event, JobRequest, validate_job
 
 PROGRESS_EVERY_S = 0.5
 # An rq worker killed mid-run leaves its job "started"; rq requeues it (abandoned
@@ -303,7 +303,7 @@ def enqueue_bulk(
         raise ValidationError("input", f"{source} is not a file", value=str(input_path))
     target = Path(output_path).resolve()
     return rq_queue(connection, rq_queue_name).enqueue_call(
-        "producers.bulk.run_bulk",
+        "batchd.producers.bulk.run_bulk",
         kwargs={
             "input_path": str(source),
             "output_path": str(target),

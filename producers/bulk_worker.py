@@ -27,8 +27,8 @@ RQ_QUEUE = "batchd-bulk"
 # Every function batchd enqueues on its rq queue, by the dotted name rq stores.
 ALLOWED_FUNCTIONS = frozenset(
     {
-        "producers.bulk.run_bulk",
-        "producers.gateway.batch_run.run_batch",
+        "batchd.producers.bulk.run_bulk",
+        "batchd.producers.gateway.batch_run.run_batch",
     }
 )
 

@@ -15,20 +15,20 @@ from typing import Any
 
 import redis
 
-from config import DEFAULT_REDIS_URL
-from producers.base import ClientBase, HandleBase, JobLike
-from producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
-from producers.keys import check_name
-from producers.result import JobResult, collect
-from producers.schema import Event, JobStatus
-from producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
+from batchd.config.limits import DEFAULT_REDIS_URL
+from batchd.producers.base import ClientBase, HandleBase, JobLike
+from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
+from batchd.producers.keys import check_name
+from batchd.producers.result import JobResult, collect
+from batchd.producers.schema import Event, JobStatus
+from batchd.producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
 
 
 class Client(ClientBase["JobHandle"]):
     """Producer side of batchd over one Redis connection pool (thread-safe).
 
     ``redis_url`` is a URL or an existing ``redis.Redis`` (its socket timeout
-    must exceed ``block_ms``). See :class:`~producers.base.ClientBase` for the
+    must exceed ``block_ms``). See :class:`~batchd.producers.base.ClientBase` for the
     other options.
     """
 
@@ -125,7 +125,7 @@ class JobHandle(HandleBase["Client"]):
 
 
 def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
-    """Drive a :class:`~producers.follow.Follower` plan with blocking I/O."""
+    """Drive a :class:`~batchd.producers.follow.Follower` plan with blocking I/O."""
     driver = PlanDriver(follower.plan())
     while (step := driver.next_step()) is not None:
         if isinstance(step, Delivery):

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 
 import redis
 
-from producers.errors import JobNotFound, JobTimeout, ProtocolError
-from producers.keys import EVENT_FIELD, Keys, event_id, seq_of
-from producers.schema import Event, FinishReason, JobState, JobStatus
+from batchd.producers.errors import JobNotFound, JobTimeout, ProtocolError
+from batchd.producers.keys import EVENT_FIELD, Keys, event_id, seq_of
+from batchd.producers.schema import Event, FinishReason, JobState, JobStatus
 
 READ_COUNT = 512
 # What a dropped or restarting Redis raises, sync and async alike.

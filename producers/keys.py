@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeGuard
 
-from config import NAME_PATTERN
-from producers.errors import ValidationError
+from batchd.config.limits import NAME_PATTERN
+from batchd.producers.errors import ValidationError
 
 CONSUMER_GROUP = "batchd"
 DEFAULT_PREFIX = "batchd"

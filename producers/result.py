@@ -6,8 +6,8 @@ from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.errors import JobFailed, ProtocolError
-from producers.schema import Choice, Event, FinishReason, Timings, Usage
+from batchd.producers.errors import JobFailed, ProtocolError
+from batchd.producers.schema import Choice, Event, FinishReason, Timings, Usage
 
 FAILED_REASONS = (FinishReason.error, FinishReason.cancelled, FinishReason.expired)
 

@@ -2,7 +2,7 @@
 
 Services in any language produce jobs by following the JSON Schema exported
 from these models (``batchd schema``; committed as
-``producers/protocol.schema.json``). Key names live in :mod:`producers.keys`.
+``producers/protocol.schema.json``). Key names live in :mod:`batchd.producers.keys`.
 
 A job is ``XADD batchd:queue:<queue> * job <JobRequest JSON>``. Each token is
 an entry ``event <Event JSON>`` with id ``0-<seq+1>`` on
@@ -14,7 +14,7 @@ A job with ``n`` > 1 generates n sequences: its token events carry ``index``
 
 Submitting: the producer creates the status hash (``state`` queued, ``queue``,
 ``queued_at``) only if it does not exist yet, atomically with the XADD (one
-script, as producers.transact does, or WATCH + MULTI); a job id seen before is
+script, as batchd.producers.transact does, or WATCH + MULTI); a job id seen before is
 not enqueued again.
 Cancelling: ``HSET batchd:job:<id> cancel_requested 1`` (the truth, checked by
 the daemon at pickup), then ``XADD batchd:cancel MAXLEN ~ 10000 * id <id>`` to
@@ -43,8 +43,8 @@ from pydantic import (
 )
 from pydantic import ValidationError as PydanticValidationError
 
-from config import NAME_PATTERN, LimitSettings
-from producers.errors import ValidationError
+from batchd.config.limits import NAME_PATTERN, LimitSettings
+from batchd.producers.errors import ValidationError
 
 JOB_ID_PATTERN = NAME_PATTERN
 INT64_MAX = 2**63 - 1
@@ -626,7 +626,7 @@ def protocol_schema_json() -> str:
 
 def protocol_schema() -> dict[str, Any]:
     """The protocol as one JSON Schema document (what ``batchd schema`` prints)."""
-    from producers import keys
+    from batchd.producers import keys
 
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",

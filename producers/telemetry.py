@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import orjson
 
-from config.secrets import redact
+from batchd.config.secrets import redact
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,7 +1,7 @@
 """``batchd top``: a live view of the fleet, read from Redis alone.
 
 Daemons are found by their heartbeat keys (``<prefix>:daemon:<consumer>``,
-JSON written by ``daemon.fleet.heartbeat``: model, queues, running, waiting, KV
+JSON written by ``batchd.daemon.fleet.heartbeat``: model, queues, running, waiting, KV
 usage, tokens/s, ...); queues by their streams plus every queue a daemon
 names. Keys are found with SCAN, never KEYS, so a large keyspace is walked
 in small steps instead of blocking Redis. Read-only: top never changes a key.
@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import redis
 
-from producers.keys import CONSUMER_GROUP, Keys, is_name
+from batchd.producers.keys import CONSUMER_GROUP, Keys, is_name
 
 # Keys asked for per SCAN call: small steps keep each call short on a busy Redis.
 SCAN_COUNT = 500

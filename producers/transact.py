@@ -14,8 +14,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD, Keys
-from producers.schema import JobState
+from batchd.producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, JOB_FIELD, Keys
+from batchd.producers.schema import JobState
 
 _TERMINAL = ", ".join(f"['{state.value}'] = true" for state in JobState if state.terminal)
 

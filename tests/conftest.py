@@ -48,6 +48,6 @@ def fake_redis() -> Iterator[fakeredis.FakeRedis]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` llama fixture model, built once per test session."""
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", FixtureSpec(preset="tiny"))

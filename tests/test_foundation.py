@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from config import SettingsError, load_settings
-from engine.blas import SKYLAKEX_FLAGS, cpu_flags, cpu_model, kernel_choice
+from batchd.config.settings import SettingsError, load_settings
+from batchd.engine.blas import SKYLAKEX_FLAGS, cpu_flags, cpu_model, kernel_choice
 from support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_invalid_setting_names_option_and_value(monkeypatch: pytest.MonkeyPatch)
 def test_cli_rejects_bad_setting() -> None:
     env = {**os.environ, "BATCHD_ENGINE__MAX_NUM_SEQS": "abc"}
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "make-model", "/nonexistent/x"],
+        [sys.executable, "-m", "batchd.daemon.cli", "make-model", "/nonexistent/x"],
         env=env,
         capture_output=True,
         text=True,
@@ -90,7 +90,7 @@ def _digest(directory: Path) -> dict[str, str]:
 def test_make_model_is_deterministic_and_loads(tiny_model: Path, tmp_path: Path) -> None:
     import mlx_lm
 
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     again = make_model(tmp_path / "again", FixtureSpec(preset="tiny"))
     assert _digest(again) == _digest(tiny_model)
@@ -110,7 +110,7 @@ def test_make_model_is_deterministic_and_loads(tiny_model: Path, tmp_path: Path)
 def test_make_model_other_arch_and_quantized(tmp_path: Path, arch: str) -> None:
     import mlx_lm
 
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     q3 = make_model(tmp_path / arch, FixtureSpec(arch=arch))
     model, tokenizer = mlx_lm.load(str(q3))
@@ -122,8 +122,10 @@ def test_make_model_other_arch_and_quantized(tmp_path: Path, arch: str) -> None:
 
 
 _MATMUL_RATE = """
-import time, engine, mlx.core as mx
-from engine.blas import loaded_openblas
+import time
+import batchd.engine.preload
+import mlx.core as mx
+from batchd.engine.blas import loaded_openblas
 a = mx.random.normal((512, 512)); mx.eval(a)
 mx.eval(a @ a)
 t = time.perf_counter()
@@ -186,15 +188,17 @@ def test_cpu_model_reads_this_machines_vendor_and_family() -> None:
 
 
 _CORE = """
-import os, engine
-from engine.blas import loaded_core
+import os
+import batchd.engine.preload
+from batchd.engine.blas import loaded_core
 print(loaded_core(), os.environ.get("OPENBLAS_CORETYPE"))
 """
 
 
 _TIMEOUT = """
-import os, engine
-from engine.blas import loaded_openblas
+import os
+import batchd.engine.preload
+from batchd.engine.blas import loaded_openblas
 print(loaded_openblas() is not None, os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
 """
 

@@ -15,31 +15,52 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # room (a package path) -> import prefixes it must never use
 WALLS: dict[str, tuple[str, ...]] = {
-    "engine": ("redis", "rq", "producers", "daemon", "config"),
-    "producers": ("mlx", "mlx_lm", "engine", "daemon"),
-    # config reads the engine's options from engine.config (pure Python), nothing else of it
+    "engine": ("redis", "rq", "batchd.producers", "batchd.daemon", "batchd.config"),
+    "producers": ("mlx", "mlx_lm", "numpy", "batchd.engine", "batchd.daemon"),
+    # config reads the engine's options from batchd.engine.config (pure Python), nothing else
     "config": (
         "mlx",
         "mlx_lm",
-        "engine.forward",
-        "engine.models",
-        "engine.llm_engine",
-        "daemon",
-        "producers",
+        "numpy",
+        "batchd.engine.forward",
+        "batchd.engine.models",
+        "batchd.engine.constraints",
+        "batchd.engine.llm_engine",
+        "batchd.engine.preload",
+        "batchd.engine.blas",
+        "batchd.daemon",
+        "batchd.producers",
     ),
-    "daemon/worker": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli"),
-    "daemon/fleet": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli", "mlx"),
+    "daemon/worker": (
+        "batchd.daemon.commands",
+        "batchd.daemon.demo",
+        "batchd.daemon.bench",
+        "batchd.daemon.cli",
+    ),
+    "daemon/fleet": (
+        "batchd.daemon.commands",
+        "batchd.daemon.demo",
+        "batchd.daemon.bench",
+        "batchd.daemon.cli",
+        "mlx",
+    ),
     # ops turns the loop's hooks into sd_notify, metrics and logs: it never touches MLX
-    "daemon/ops": ("daemon.commands", "daemon.demo", "daemon.bench", "daemon.cli", "mlx"),
-    "daemon/demo": ("daemon.commands", "daemon.bench", "daemon.cli"),
-    "daemon/bench": ("daemon.commands", "daemon.demo", "daemon.cli"),
+    "daemon/ops": (
+        "batchd.daemon.commands",
+        "batchd.daemon.demo",
+        "batchd.daemon.bench",
+        "batchd.daemon.cli",
+        "mlx",
+    ),
+    "daemon/demo": ("batchd.daemon.commands", "batchd.daemon.bench", "batchd.daemon.cli"),
+    "daemon/bench": ("batchd.daemon.commands", "batchd.daemon.demo", "batchd.daemon.cli"),
     # chaos drives daemons as processes, through the producers' surfaces, never their insides
     "daemon/chaos": (
-        "daemon.commands",
-        "daemon.demo",
-        "daemon.bench",
-        "daemon.cli",
-        "daemon.worker",
+        "batchd.daemon.commands",
+        "batchd.daemon.demo",
+        "batchd.daemon.bench",
+        "batchd.daemon.cli",
+        "batchd.daemon.worker",
     ),
 }
 
@@ -74,8 +95,8 @@ def test_room_respects_its_walls(room: str) -> None:
 
 def test_walls_catch_a_crossing(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from daemon.commands import serve\n")
-    assert any(crosses(n, "daemon.commands") for n in imported_names(module))
+    module.write_text("def f():\n    from batchd.daemon.commands import serve\n")
+    assert any(crosses(n, "batchd.daemon.commands") for n in imported_names(module))
 
 
 def test_no_room_is_crowded() -> None:

@@ -7,4 +7,4 @@ of percent within minutes, so only ratios taken side by side mean anything
 """
 
 # Preloads OpenBLAS before any submodule imports mlx (50x faster CPU matmuls).
-import engine  # noqa: F401
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)

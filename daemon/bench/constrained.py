@@ -1,8 +1,8 @@
 """Structured output's cost: the mixed workload with 0%, 25% and 100% of its requests
 constrained to a nested JSON schema, in alternating rounds of one process.
 
-    python -m daemon.bench.constrained [--model PATH] [--rounds 3] [--requests 32]
-    python -m daemon.bench.constrained --mask-time [--model PATH]
+    python -m batchd.daemon.bench.constrained [--model PATH] [--rounds 3] [--requests 32]
+    python -m batchd.daemon.bench.constrained --mask-time [--model PATH]
 
 Without --model it builds the ``bench-small`` fixture (vocabulary 32,000). Every
 request samples (temperature 1, seeded); unconstrained ones ignore EOS and run to
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.constraints import Constraint, GrammarTokenizer
-from engine.models.loader import load
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.constraints import Constraint, GrammarTokenizer
+from batchd.engine.models.loader import load
 
 # Objects, arrays, enums, bounded numbers, required fields. multipleOf bounds the digits
 # of a number, and maxLength every string, so a random-weight model's JSON always ends;
@@ -91,7 +91,9 @@ def run_mix(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m daemon.bench.constrained", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m batchd.daemon.bench.constrained", description=__doc__
+    )
     p.add_argument("--model", type=Path, help="model directory (default: bench-small fixture)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=32)
@@ -153,7 +155,7 @@ def mask_time(model: Path, walks: int = 20) -> int:
 
 
 def _fixture(root: Path) -> Path:
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(root / "bench-small", FixtureSpec(preset="bench-small"))
 

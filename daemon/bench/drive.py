@@ -10,8 +10,8 @@ import time
 from collections import deque
 from typing import Protocol
 
-from daemon.bench.stats import Recorder, RunStats
-from daemon.bench.workloads import Request, Workload
+from batchd.daemon.bench.stats import Recorder, RunStats
+from batchd.daemon.bench.workloads import Request, Workload
 
 
 class StepSystem(Protocol):

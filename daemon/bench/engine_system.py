@@ -1,12 +1,12 @@
-"""batchd's engine as a step system (see daemon.bench.drive)."""
+"""batchd's engine as a step system (see batchd.daemon.bench.drive)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.bench.workloads import Request
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.outputs import StepStats
+from batchd.daemon.bench.workloads import Request
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.outputs import StepStats
 
 
 def bench_engine_config(

@@ -1,10 +1,10 @@
 """The gateway's overhead: the same requests through the OpenAI gateway and through the
 Python client, against one daemon, in alternating rounds.
 
-``python -m daemon.bench.gateway`` starts a private redis-server, a ``batchd
+``python -m batchd.daemon.bench.gateway`` starts a private redis-server, a ``batchd
 serve`` daemon on the tiny model and a ``batchd gateway``, all as separate
 processes as in production, then runs ``--requests`` short greedy completions
-with ``--concurrency`` in flight, first with :class:`producers.aio.AsyncClient`
+with ``--concurrency`` in flight, first with :class:`batchd.producers.aio.AsyncClient`
 (submit + result), then with ``openai.AsyncOpenAI`` through the gateway, for
 ``--rounds`` rounds each. It prints requests/s and latency (p50, p90) of both
 paths and their ratios: the gateway's cost is HTTP, JSON, the extra process
@@ -28,15 +28,15 @@ from typing import Any
 import httpx
 import orjson
 
-from daemon.redis_server import RedisServer, free_port
-from producers.aio import AsyncClient
+from batchd.daemon.redis_server import RedisServer, free_port
+from batchd.producers.aio import AsyncClient
 
 MODEL_DIR = Path(".batchd/models/tiny")
 PROMPT = "Once upon a time, request {i}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m daemon.bench.gateway", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m batchd.daemon.bench.gateway", description=__doc__)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model() -> Path:
-    from engine.models.registry import ensure_preset
+    from batchd.engine.models.registry import ensure_preset
 
     return ensure_preset("tiny", path=MODEL_DIR).resolve()
 
@@ -70,7 +70,7 @@ def _model() -> Path:
 def _batchd(redis_url: str, tmp: str, name: str, *args: str) -> subprocess.Popen[bytes]:
     log = open(Path(tmp) / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
-    command = [sys.executable, "-m", "daemon.cli", "--redis-url", redis_url, "--log-level"]
+    command = [sys.executable, "-m", "batchd.daemon.cli", "--redis-url", redis_url, "--log-level"]
     return subprocess.Popen(
         [*command, "WARNING", *args], stdout=log, stderr=subprocess.STDOUT, env=env
     )

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
-from daemon.bench.workloads import Workload
+from batchd.daemon.bench.workloads import Workload
 
 
 def matmul_gflops(*, size: int = 2048, repeats: int = 5) -> float:

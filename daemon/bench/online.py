@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.bench.stats import RunStats
-from daemon.bench.systems import BATCHD, BATCHGEN, LABELS, Systems, SystemUnavailable
-from daemon.bench.workloads import Workload, poisson_arrivals
+from batchd.daemon.bench.stats import RunStats
+from batchd.daemon.bench.systems import BATCHD, BATCHGEN, LABELS, Systems, SystemUnavailable
+from batchd.daemon.bench.workloads import Workload, poisson_arrivals
 
 
 def saturation_rate(*, peer_tok_s: float, workload: Workload, load: float) -> float:

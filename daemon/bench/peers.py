@@ -14,13 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load
 
-from daemon.bench.stats import Recorder, RunStats
-from daemon.bench.workloads import Request, Workload
+from batchd.daemon.bench.stats import Recorder, RunStats
+from batchd.daemon.bench.workloads import Request, Workload
 
 # Static batching prefills a wave in column chunks of this many tokens, so a
 # wave of 32 long prompts does not build one huge attention matrix.
@@ -34,7 +36,7 @@ def load_model(path: Path) -> Any:
 
 
 class BatchGeneratorSystem:
-    """mlx-lm's BatchGenerator as a step system (see daemon.bench.drive)."""
+    """mlx-lm's BatchGenerator as a step system (see batchd.daemon.bench.drive)."""
 
     def __init__(self, model: Any, *, completion_batch_size: int) -> None:
         # No stop tokens: runs to max_tokens, like batchd with ignore_eos.

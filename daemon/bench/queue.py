@@ -12,7 +12,7 @@ loading outside the timing, the clock running from the first request's
 arrival (its submit, for the queue) to the last output token (as the
 subscriber receives it). The subscriber stands for the daemon's clients,
 which run on other machines: it runs at the lowest CPU priority
-(daemon.bench.subscriber), so that on a small shared host it takes the cores
+(batchd.daemon.bench.subscriber), so that on a small shared host it takes the cores
 the engine leaves rather than stalling its steps. A shared machine's load
 drifts by ~10% over minutes, and a noisy neighbour moves one 10-second run
 by as much, so the runs alternate: in-process, queue, in-process, ...; each
@@ -56,18 +56,18 @@ from typing import Any
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from config.secrets import redact
-from daemon.bench.engine_system import bench_engine_config
-from daemon.bench.progress import Progress
-from daemon.bench.stats import Recorder, RunStats
-from daemon.bench.subscriber import run_as_subscriber
-from daemon.bench.systems import BATCHD, Systems, SystemUnavailable, longest_request
-from daemon.bench.workloads import Workload
-from daemon.redis_server import free_port
-from producers.client import Client, follow
-from producers.errors import BatchdError
+from batchd.config.secrets import redact
+from batchd.daemon.bench.engine_system import bench_engine_config
+from batchd.daemon.bench.progress import Progress
+from batchd.daemon.bench.stats import Recorder, RunStats
+from batchd.daemon.bench.subscriber import run_as_subscriber
+from batchd.daemon.bench.systems import BATCHD, Systems, SystemUnavailable, longest_request
+from batchd.daemon.bench.workloads import Workload
+from batchd.daemon.redis_server import free_port
+from batchd.producers.client import Client, follow
+from batchd.producers.errors import BatchdError
 
-_SERVE_MODULE = "daemon.commands.serve"
+_SERVE_MODULE = "batchd.daemon.commands.serve"
 _QUEUE = "bench"
 _PREFIX = "batchd-bench"
 _START_TIMEOUT_S = 180.0
@@ -221,7 +221,7 @@ def _run_through_daemon(
     seconds, and the daemon's seconds publishing and stepping."""
     metrics_port = free_port()
     env = _daemon_env(systems, workload, redis_url, prefix, metrics_port)
-    command = [sys.executable, "-m", "daemon.cli", "serve"]
+    command = [sys.executable, "-m", "batchd.daemon.cli", "serve"]
     command += ["--model", str(systems.settings.model_path), "--queue", _QUEUE]
     conn = redis.Redis.from_url(redis_url)
     with tempfile.TemporaryDirectory(prefix="batchd-bench-") as tmp:
@@ -239,7 +239,7 @@ def _run_through_daemon(
                 progress.phase(f"{workload.name} / batchd through Redis")
                 recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
                 # The submitting and following client and Redis share the machine with the
-                # daemon; the client runs as the daemon's clients do (daemon.bench.subscriber).
+                # daemon; the client runs as the daemon's clients do (bench.subscriber).
                 cpu, server = time.process_time(), _redis_cpu_s(conn)
                 daemon_before = _daemon_times(metrics_port)
                 stats, nice = run_as_subscriber(

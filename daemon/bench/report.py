@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from daemon.bench.sweep import sweep_lines
-from daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
-from daemon.bench.workloads import LATENCY_WORKLOADS, THROUGHPUT_WORKLOADS
+from batchd.daemon.bench.sweep import sweep_lines
+from batchd.daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
+from batchd.daemon.bench.workloads import LATENCY_WORKLOADS, THROUGHPUT_WORKLOADS
 
 JSON_NAME, MARKDOWN_NAME, CHART_NAME = "report.json", "report.md", "report.png"
 _COLORS = {BATCHD: "#1f77b4", BATCHGEN: "#ff7f0e", "static": "#2ca02c", "sequential": "#7f7f7f"}
@@ -198,7 +198,7 @@ def _redis_cpu(run: dict[str, Any]) -> str:
 
 
 def _queue_rounds(q: dict[str, Any]) -> str:
-    """The alternating rounds behind the ratio (see daemon.bench.queue)."""
+    """The alternating rounds behind the ratio (see batchd.daemon.bench.queue)."""
     rounds = q.get("rounds", [])
     if len(rounds) < 2:
         return "."

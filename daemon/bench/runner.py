@@ -11,14 +11,21 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
-from daemon.bench import queue
-from daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
-from daemon.bench.online import run_online, saturation_rate
-from daemon.bench.progress import Progress
-from daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS, run_online_sweep, sweep_headline
-from daemon.bench.systems import (
+from batchd.daemon.bench import queue
+from batchd.daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
+from batchd.daemon.bench.online import run_online, saturation_rate
+from batchd.daemon.bench.progress import Progress
+from batchd.daemon.bench.sweep import (
+    DEFAULT_BOUNDS,
+    DEFAULT_ROUNDS,
+    run_online_sweep,
+    sweep_headline,
+)
+from batchd.daemon.bench.systems import (
     BATCHD,
     BATCHGEN,
     LABELS,
@@ -29,14 +36,14 @@ from daemon.bench.systems import (
     SystemSettings,
     SystemUnavailable,
 )
-from daemon.bench.workloads import (
+from batchd.daemon.bench.workloads import (
     THROUGHPUT_WORKLOADS,
     Scale,
     Workload,
     mixed,
     shared_prefix,
 )
-from engine.blas import cpu_description, loaded_core, loaded_openblas
+from batchd.engine.blas import cpu_description, loaded_core, loaded_openblas
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
 # The systems of each throughput workload. Static batching runs on mixed only: its
@@ -46,7 +53,7 @@ OFFLINE_SYSTEMS = {
     "mixed": OFFLINE_ORDER,
     "shared-prefix": tuple(key for key in OFFLINE_ORDER if key != STATIC),
 }
-# Run only when asked for by name (not part of a full run): see daemon.bench.sweep.
+# Run only when asked for by name (not part of a full run): see batchd.daemon.bench.sweep.
 EXTRA_WORKLOADS = ("online-sweep",)
 
 # batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (every
@@ -77,7 +84,9 @@ class BenchOptions:
     prefill_fills_row_tile: bool = True
     sweep_bounds: tuple[int | None, ...] = DEFAULT_BOUNDS
     sweep_rounds: int = DEFAULT_ROUNDS
-    queue_rounds: int | None = None  # None: as many as daemon.bench.queue's time budget allows
+    queue_rounds: int | None = (
+        None  # None: as many as batchd.daemon.bench.queue's time budget allows
+    )
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -105,7 +114,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
-    """Run the selected workloads; returns the full report (see daemon.bench.report)."""
+    """Run the selected workloads; returns the full report (see batchd.daemon.bench.report)."""
     config = json.loads((options.model_path / "config.json").read_text())
     flops = ModelFlops.from_model_dir(options.model_path)
     progress.phase("limit: timing a float32 matmul")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.outputs import StepStats
+from batchd.engine.outputs import StepStats
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.bench.systems import BATCHD, BATCHGEN, Systems, SystemUnavailable
-from daemon.bench.workloads import Workload, poisson_arrivals
+from batchd.daemon.bench.systems import BATCHD, BATCHGEN, Systems, SystemUnavailable
+from batchd.daemon.bench.workloads import Workload, poisson_arrivals
 
 # The bounds swept by default: none is the throughput setting, 64 the online workload's.
 DEFAULT_BOUNDS: tuple[int | None, ...] = (16, 32, 64, None)

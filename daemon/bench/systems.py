@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
-from daemon.bench import peers
-from daemon.bench.drive import StepSystem, run_offline, run_timed
-from daemon.bench.progress import Progress
-from daemon.bench.stats import Recorder, RunStats, step_profile
-from daemon.bench.workloads import Scale, Workload, warmup
-from engine.outputs import StepStats
+from batchd.daemon.bench import peers
+from batchd.daemon.bench.drive import StepSystem, run_offline, run_timed
+from batchd.daemon.bench.progress import Progress
+from batchd.daemon.bench.stats import Recorder, RunStats, step_profile
+from batchd.daemon.bench.workloads import Scale, Workload, warmup
+from batchd.engine.outputs import StepStats
 
 BATCHD = "batchd"
 BATCHGEN = "batchgen"
@@ -70,7 +72,7 @@ class Systems:
     def batchd_unavailable(self) -> str | None:
         """Why batchd's engine cannot run here, or None when it can."""
         try:
-            from daemon.bench import engine_system  # noqa: F401
+            from batchd.daemon.bench import engine_system  # noqa: F401
         except ImportError as exc:
             return f"engine not available: {exc}"
         return None
@@ -85,7 +87,7 @@ class Systems:
         reason = self.batchd_unavailable()
         if reason is not None:
             raise SystemUnavailable(reason)
-        from daemon.bench.engine_system import BatchdSystem, bench_engine_config
+        from batchd.daemon.bench.engine_system import BatchdSystem, bench_engine_config
 
         config = bench_engine_config(
             max_num_seqs=self.settings.max_num_seqs,

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.chaos.background import Background
+from batchd.daemon.chaos.background import Background
 
 SAMPLE_INTERVAL_S = 0.05
 

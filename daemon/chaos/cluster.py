@@ -20,10 +20,10 @@ from pathlib import Path
 import orjson
 import redis
 
-from config import Settings
-from daemon.chaos.aof import AofTail, Cut
-from daemon.chaos.proxy import Proxy
-from daemon.redis_server import RedisServer
+from batchd.config.settings import Settings
+from batchd.daemon.chaos.aof import AofTail, Cut
+from batchd.daemon.chaos.proxy import Proxy
+from batchd.daemon.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Cluster:
         return env
 
     def _spawn(self, slot: DaemonSlot) -> None:
-        args = [sys.executable, "-m", "daemon.cli", "serve", "--model", str(self.model)]
+        args = [sys.executable, "-m", "batchd.daemon.cli", "serve", "--model", str(self.model)]
         args += ["--redis-url", slot.proxy.url]
         with open(slot.log_path, "ab") as out:
             out.write(f"--- start {slot.starts}\n".encode())

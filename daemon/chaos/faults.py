@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 
-from daemon.chaos.background import Background
-from daemon.chaos.cluster import Cluster
-from daemon.chaos.ledger import Ledger
-from daemon.redis_server import free_port
+from batchd.daemon.chaos.background import Background
+from batchd.daemon.chaos.cluster import Cluster
+from batchd.daemon.chaos.ledger import Ledger
+from batchd.daemon.redis_server import free_port
 
 log = logging.getLogger(__name__)
 

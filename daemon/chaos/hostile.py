@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
-from producers.errors import ValidationError
-from producers.keys import JOB_FIELD
-from producers.schema import parse_job
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import JOB_FIELD
+from batchd.producers.schema import parse_job
 
 NASTY_IDS = ["a:events", "*", "..", "x\n", "", "é" * 300, "a{b}c", "q:queue:default"]
 

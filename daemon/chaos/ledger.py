@@ -10,7 +10,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from producers.schema import Event
+from batchd.producers.schema import Event
 
 
 @dataclass(frozen=True)

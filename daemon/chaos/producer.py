@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
-from daemon.chaos.background import Background
-from daemon.chaos.hostile import HostileSource
-from daemon.chaos.ledger import HostileSend, Ledger
-from daemon.chaos.workload import CancelAt, ChaosJob, Via
-from producers.client import Client
-from producers.errors import JobNotFound, ValidationError
-from producers.keys import JOB_FIELD, Keys
+from batchd.daemon.chaos.background import Background
+from batchd.daemon.chaos.hostile import HostileSource
+from batchd.daemon.chaos.ledger import HostileSend, Ledger
+from batchd.daemon.chaos.workload import CancelAt, ChaosJob, Via
+from batchd.producers.client import Client
+from batchd.producers.errors import JobNotFound, ValidationError
+from batchd.producers.keys import JOB_FIELD, Keys
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from daemon.redis_server import free_port
+from batchd.daemon.redis_server import free_port
 
 CHUNK = 65536
 

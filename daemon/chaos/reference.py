@@ -6,9 +6,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from daemon.chaos.workload import ChaosJob
-from engine import EngineConfig, LLMEngine, SamplingParams
-from producers.schema import validate_job
+from batchd.daemon.chaos.workload import ChaosJob
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.producers.schema import validate_job
 
 
 def reference_outputs(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from daemon.chaos.faults import FaultKind
-from daemon.chaos.run import ChaosResult
+from batchd.daemon.chaos.faults import FaultKind
+from batchd.daemon.chaos.run import ChaosResult
 
 
 def render(result: ChaosResult, *, command: str) -> str:

@@ -17,19 +17,19 @@ from typing import Any
 
 import redis
 
-from config import Settings
-from daemon.chaos.background import Background
-from daemon.chaos.cluster import Cluster
-from daemon.chaos.faults import FaultKind, Holds, Injector, schedule
-from daemon.chaos.ledger import Ledger
-from daemon.chaos.options import ChaosOptions
-from daemon.chaos.producer import Producer
-from daemon.chaos.reference import reference_outputs
-from daemon.chaos.subscribers import Subscriber
-from daemon.chaos.verdict import Verdict, judge
-from daemon.chaos.workload import make_jobs
-from engine import EngineConfig
-from producers.keys import Keys
+from batchd.config.settings import Settings
+from batchd.daemon.chaos.background import Background
+from batchd.daemon.chaos.cluster import Cluster
+from batchd.daemon.chaos.faults import FaultKind, Holds, Injector, schedule
+from batchd.daemon.chaos.ledger import Ledger
+from batchd.daemon.chaos.options import ChaosOptions
+from batchd.daemon.chaos.producer import Producer
+from batchd.daemon.chaos.reference import reference_outputs
+from batchd.daemon.chaos.subscribers import Subscriber
+from batchd.daemon.chaos.verdict import Verdict, judge
+from batchd.daemon.chaos.workload import make_jobs
+from batchd.engine import EngineConfig
+from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
 

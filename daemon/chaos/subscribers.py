@@ -1,7 +1,7 @@
 """The run's subscribers: follow every job's events to its final one, as clients do,
 dropping their connection now and then and resuming from the last seq they had.
 
-Each subscriber drives the producers' own :class:`~producers.follow.Follower`, so
+Each subscriber drives the producers' own :class:`~batchd.producers.follow.Follower`, so
 what the run checks is what a client gets. A job the follower reports missing
 (its submit was in the second a Redis crash lost) is submitted again and followed on
 from where it was; a gap the follower refuses is recorded as a finding.
@@ -15,14 +15,14 @@ import random
 
 import redis
 
-from daemon.chaos.background import Background
-from daemon.chaos.ledger import Ledger
-from daemon.chaos.producer import Producer
-from daemon.chaos.workload import CancelAt, ChaosJob
-from producers.client import follow
-from producers.errors import JobNotFound, ProtocolError
-from producers.follow import RECONNECT_ERRORS, Delivery, Follower
-from producers.keys import Keys
+from batchd.daemon.chaos.background import Background
+from batchd.daemon.chaos.ledger import Ledger
+from batchd.daemon.chaos.producer import Producer
+from batchd.daemon.chaos.workload import CancelAt, ChaosJob
+from batchd.producers.client import follow
+from batchd.producers.errors import JobNotFound, ProtocolError
+from batchd.producers.follow import RECONNECT_ERRORS, Delivery, Follower
+from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import redis
 
-from daemon.chaos.ledger import Ledger
-from daemon.chaos.workload import CancelAt, ChaosJob
-from producers.keys import EVENT_FIELD, Keys, seq_of
-from producers.schema import Event, FinishReason
+from batchd.daemon.chaos.ledger import Ledger
+from batchd.daemon.chaos.workload import CancelAt, ChaosJob
+from batchd.producers.keys import EVENT_FIELD, Keys, seq_of
+from batchd.producers.schema import Event, FinishReason
 
 KEYS = Keys()
 DONE = (FinishReason.stop, FinishReason.length)

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from config import Settings
-from engine.models.registry import MODEL_CACHE, PRESET_NAMES
-from producers.commands.subcommand import add_command
+from batchd.config.settings import Settings
+from batchd.engine.models.registry import MODEL_CACHE, PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
@@ -116,7 +116,7 @@ def _bounds(text: str) -> tuple[int | None, ...]:
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
     """The model directory and its label; builds or converts a preset if missing."""
-    from engine.models.registry import ensure_preset, resolve_model
+    from batchd.engine.models.registry import ensure_preset, resolve_model
 
     if args.model:
         path = Path(resolve_model(args.model))
@@ -136,16 +136,16 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     report throughput ratios, latency and model-FLOPs utilisation.
     """
     try:
-        from daemon.bench.progress import Progress
-        from daemon.bench.report import write_report
-        from daemon.bench.runner import (
+        from batchd.daemon.bench.progress import Progress
+        from batchd.daemon.bench.report import write_report
+        from batchd.daemon.bench.runner import (
             ONLINE_MAX_PREFILL_TOKENS,
             WORKLOADS,
             BenchOptions,
             run_bench,
         )
-        from daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS
-        from daemon.bench.workloads import SCALES
+        from batchd.daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS
+        from batchd.daemon.bench.workloads import SCALES
     except ImportError as exc:
         print(
             f"batchd bench needs the daemon and bench extras "

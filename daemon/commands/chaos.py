@@ -1,4 +1,4 @@
-"""``batchd chaos``: the reliability proving ground (see daemon.chaos)."""
+"""``batchd chaos``: the reliability proving ground (see batchd.daemon.chaos)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from config import Settings
-from daemon.chaos.options import command_line_fields, from_command_line, option_name
-from engine.models.registry import PRESET_NAMES
-from producers.commands.subcommand import add_command
+from batchd.config.settings import Settings
+from batchd.daemon.chaos.options import command_line_fields, from_command_line, option_name
+from batchd.engine.models.registry import PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
@@ -46,9 +46,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     in-process run of the same requests. Prints one table; exits 1 if anything was lost,
     doubled, broken or different.
     """
-    from daemon.chaos.report import render
-    from daemon.chaos.run import run_chaos
-    from engine.models.registry import ensure_preset
+    from batchd.daemon.chaos.report import render
+    from batchd.daemon.chaos.run import run_chaos
+    from batchd.engine.models.registry import ensure_preset
 
     if min(args.jobs, args.daemons) < 1 or min(args.kills, args.hostile) < 0:
         print("batchd chaos: --jobs, --daemons >= 1 and fault counts >= 0", file=sys.stderr)

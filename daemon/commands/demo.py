@@ -1,13 +1,13 @@
-"""``batchd demo``: watch jobs stream through the daemon (see daemon.demo.run)."""
+"""``batchd demo``: watch jobs stream through the daemon (see batchd.daemon.demo.run)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from config import Settings
-from engine.models.registry import MODEL_CACHE, PRESET_NAMES
-from producers.commands.subcommand import add_command
+from batchd.config.settings import Settings
+from batchd.engine.models.registry import MODEL_CACHE, PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """
     from pathlib import Path
 
-    from daemon.demo.run import run_demo
+    from batchd.daemon.demo.run import run_demo
 
     return run_demo(
         settings,

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from config import Settings
-from engine.models.registry import PACKAGED, PRESET_NAMES
-from producers.commands.subcommand import add_command
+from batchd.config.settings import Settings
+from batchd.engine.models.registry import PACKAGED, PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
@@ -38,10 +38,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     llama-family GGUF (F32, F16, Q4_0, Q4_1, Q8_0 tensors; byte-level BPE tokenizer).
     """
     try:
-        from engine.models.gguf_convert import convert_gguf
-        from engine.models.gguf_header import GGUFError
-        from engine.models.model_fixture import FixtureSpec, make_model
-        from engine.models.registry import packaged_gguf
+        from batchd.engine.models.gguf_convert import convert_gguf
+        from batchd.engine.models.gguf_header import GGUFError
+        from batchd.engine.models.model_fixture import FixtureSpec, make_model
+        from batchd.engine.models.registry import packaged_gguf
     except ImportError as exc:
         print(
             f"batchd make-model needs the daemon extra (pip install 'batchd[daemon]'): {exc}",

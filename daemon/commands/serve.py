@@ -10,12 +10,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from config import Settings
-from config.settings import default_consumer_name
-from producers.commands.subcommand import add_command
+from batchd.config.settings import Settings, default_consumer_name
+from batchd.producers.commands.subcommand import add_command
 
 if TYPE_CHECKING:  # imported when serving: prometheus-client and MLX only then
-    from daemon.ops.prom import DaemonMetrics
+    from batchd.daemon.ops.prom import DaemonMetrics
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +83,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         settings.queues,
         extra={"event": "daemon_starting", "consumer": consumer, "pid": os.getpid()},
     )
-    from daemon.fleet.heartbeat import ConsumerTaken
-    from daemon.ops.observer import Ops
-    from daemon.ops.prom import DaemonMetrics
-    from daemon.worker.loop import Worker
-    from daemon.worker.mlx_generator import MLXGenerator
-    from daemon.worker.redis_io import ClusterUnsupported
-    from engine.models.registry import resolve_model
+    from batchd.daemon.fleet.heartbeat import ConsumerTaken
+    from batchd.daemon.ops.observer import Ops
+    from batchd.daemon.ops.prom import DaemonMetrics
+    from batchd.daemon.worker.loop import Worker
+    from batchd.daemon.worker.mlx_generator import MLXGenerator
+    from batchd.daemon.worker.redis_io import ClusterUnsupported
+    from batchd.engine.models.registry import resolve_model
 
     metrics = None
     if settings.daemon.metrics_port is not None:
@@ -133,7 +132,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 def _serve_metrics(settings: Settings, metrics: DaemonMetrics) -> bool:
     """Start the metrics endpoint; False (said on stderr) when its address is unusable."""
-    from producers.telemetry import serve_metrics
+    from batchd.producers.telemetry import serve_metrics
 
     addr, port = settings.daemon.metrics_addr, settings.daemon.metrics_port
     assert port is not None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from daemon.redis_server import RedisServer, free_port
+from batchd.daemon.redis_server import RedisServer, free_port
 
 log = logging.getLogger(__name__)
 

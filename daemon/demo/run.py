@@ -23,15 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config import Settings
-from config.secrets import redact
-from daemon.demo.find_redis import find_redis
-from daemon.demo.jobs import CHAT_JOBS, FILLER_JOBS, DemoJob
-from daemon.demo.view import JobLine, LiveView, step_line, summary, transcript
-from daemon.worker.generator import StepView, TokenOut
-from daemon.worker.loop import Worker
-from producers.client import Client
-from producers.errors import BatchdError
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
+from batchd.config.secrets import redact
+from batchd.config.settings import Settings
+from batchd.daemon.demo.find_redis import find_redis
+from batchd.daemon.demo.jobs import CHAT_JOBS, FILLER_JOBS, DemoJob
+from batchd.daemon.demo.view import JobLine, LiveView, step_line, summary, transcript
+from batchd.daemon.worker.generator import StepView, TokenOut
+from batchd.daemon.worker.loop import Worker
+from batchd.producers.client import Client
+from batchd.producers.errors import BatchdError
 
 JOB_TIMEOUT_S = 300  # a real model on two CPU cores answers eight questions in about a minute
 
@@ -48,7 +50,12 @@ class DemoModel:
 def ensure_model(*, preset: str | None, model: str | None, model_dir: Path | None) -> DemoModel:
     """The demo's model: a preset (default smollm2) built or converted into ``model_dir``
     on first use, or any ``--model`` (directory, hub id, .gguf), taken as a real model."""
-    from engine.models.registry import FIXTURE_PRESETS, MODEL_CACHE, ensure_preset, resolve_model
+    from batchd.engine.models.registry import (
+        FIXTURE_PRESETS,
+        MODEL_CACHE,
+        ensure_preset,
+        resolve_model,
+    )
 
     if model is not None:
         return DemoModel(Path(resolve_model(model)), model, random_weights=False)
@@ -104,7 +111,7 @@ def _start_daemon(settings: Settings, pacer: _StepPacer) -> tuple[Worker, thread
     ready = threading.Event()
 
     def main() -> None:
-        from daemon.worker.mlx_generator import MLXGenerator
+        from batchd.daemon.worker.mlx_generator import MLXGenerator
 
         try:
             generator = MLXGenerator.from_pretrained(str(settings.model), settings.engine)

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from daemon.worker.generator import StepView
+from batchd.daemon.worker.generator import StepView
 
 PLAIN_EVERY = 16
 

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 import redis
 
-from producers.schema import DaemonHeartbeat
+from batchd.producers.schema import DaemonHeartbeat
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Trimming uses MINID at the oldest entry any group still needs (its oldest
 pending one, else the first it has not been delivered), never MAXLEN, which could
 drop an unacked job. Forgetting dead consumers is recovery's part
-(:meth:`daemon.fleet.recovery.Recovery.forget_dead`): it shares the rule that says
+(:meth:`batchd.daemon.fleet.recovery.Recovery.forget_dead`): it shares the rule that says
 who is dead.
 """
 

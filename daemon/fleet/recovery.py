@@ -18,9 +18,9 @@ from typing import Any
 
 import redis
 
-from daemon.worker.jobs import Delivery
-from daemon.worker.member import Member
-from producers.keys import CONSUMER_GROUP
+from batchd.daemon.worker.jobs import Delivery
+from batchd.daemon.worker.member import Member
+from batchd.producers.keys import CONSUMER_GROUP
 
 log = logging.getLogger(__name__)
 

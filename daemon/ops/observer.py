@@ -13,20 +13,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from config import Settings
-from daemon.ops.faults import EngineFaults
-from daemon.ops.notify import Notifier
-from daemon.ops.supervisor import Supervisor
-from daemon.worker.generator import Generator, StepView, TokenOut
-from daemon.worker.jobs import Job
-from daemon.worker.metrics import Meter
-from daemon.worker.redis_io import Backoff
-from producers.schema import FINAL_STATE, FinishReason
+from batchd.config.settings import Settings
+from batchd.daemon.ops.faults import EngineFaults
+from batchd.daemon.ops.notify import Notifier
+from batchd.daemon.ops.supervisor import Supervisor
+from batchd.daemon.worker.generator import Generator, StepView, TokenOut
+from batchd.daemon.worker.jobs import Job
+from batchd.daemon.worker.metrics import Meter
+from batchd.daemon.worker.redis_io import Backoff
+from batchd.producers.schema import FINAL_STATE, FinishReason
 
 if TYPE_CHECKING:  # prometheus-client is imported only when metrics are on
-    from daemon.ops.prom import DaemonMetrics
+    from batchd.daemon.ops.prom import DaemonMetrics
 
-log = logging.getLogger("daemon.jobs")
+log = logging.getLogger("batchd.daemon.jobs")
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from daemon.ops.observer import StepDone
-from daemon.worker.generator import Load
-from daemon.worker.jobs import Job
-from daemon.worker.redis_io import Backoff
-from producers.schema import FINAL_STATE, FinishReason
+from batchd.daemon.ops.observer import StepDone
+from batchd.daemon.worker.generator import Load
+from batchd.daemon.worker.jobs import Job
+from batchd.daemon.worker.redis_io import Backoff
+from batchd.producers.schema import FINAL_STATE, FinishReason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

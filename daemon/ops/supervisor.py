@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from daemon.ops.notify import Notifier, watchdog_period_s
+from batchd.daemon.ops.notify import Notifier, watchdog_period_s
 
 STATUS_INTERVAL_S = 1.0
 

@@ -13,10 +13,10 @@ import logging
 
 import redis
 
-from daemon.worker.jobs import Delivery, Job
-from daemon.worker.member import Member
-from daemon.worker.redis_io import REDIS_DOWN
-from producers.keys import CONSUMER_GROUP
+from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.daemon.worker.member import Member
+from batchd.daemon.worker.redis_io import REDIS_DOWN
+from batchd.producers.keys import CONSUMER_GROUP
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from producers.keys import CANCEL_FIELD, Keys
+from batchd.producers.keys import CANCEL_FIELD, Keys
 
 READ_COUNT = 1000
 

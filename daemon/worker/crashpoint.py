@@ -12,7 +12,7 @@ durability tests use it to crash at precise moments. Points:
 - ``after_status``: the flush carrying a finished job's XACK is about to be sent
 
 Both finish points sit on the path production takes: the final event and status
-go in one flush, the XACK only in a later one (daemon.worker.publisher). Unset
+go in one flush, the XACK only in a later one (batchd.daemon.worker.publisher). Unset
 (always, outside tests), every check is one dict lookup.
 """
 

@@ -30,8 +30,8 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from daemon.worker.jobs import Job
-from producers.keys import EVENT_FIELD, Keys, event_id
+from batchd.daemon.worker.jobs import Job
+from batchd.producers.keys import EVENT_FIELD, Keys, event_id
 
 # The epoch of a rejected entry's job: written only if the job's keys do not exist yet.
 CREATE_ONLY = 0

@@ -2,7 +2,7 @@
 
 The worker loop talks to a ``Generator`` only: tokenize a job, start it
 (possibly resuming with tokens a previous daemon already published, see
-``JobStart``), abort it, step, and report load. :mod:`daemon.worker.mlx_generator` adapts
+``JobStart``), abort it, step, and report load. :mod:`batchd.daemon.worker.mlx_generator` adapts
 ``engine.LLMEngine`` to it; tests drive the loop with a deterministic fake.
 Every call happens on the engine thread (MLX streams are thread-local).
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from producers.schema import FinishReason, JobRequest
+from batchd.producers.schema import FinishReason, JobRequest
 
 
 class JobRejected(ValueError):
@@ -94,7 +94,7 @@ class Generator(Protocol):
 
     # True when a step keeps the machine's CPU cores busy (the engine computes on the
     # CPU): the daemon then waits for each publish round trip between steps rather than
-    # running it beside the next step (daemon.worker.loop).
+    # running it beside the next step (batchd.daemon.worker.loop).
     steps_use_cpu: bool = False
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:

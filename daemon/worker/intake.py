@@ -19,8 +19,8 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from daemon.worker.jobs import Delivery
-from producers.keys import CONSUMER_GROUP, Keys
+from batchd.daemon.worker.jobs import Delivery
+from batchd.producers.keys import CONSUMER_GROUP, Keys
 
 
 class Intake:

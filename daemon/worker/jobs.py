@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from producers.schema import (
+from batchd.producers.schema import (
     FINAL_STATE,
     Choice,
     Event,
@@ -75,7 +75,7 @@ class Job:
     error: str | None = None
     dead_letter: bool = False
     in_engine: bool = False
-    # The fence (daemon.worker.fence): this pickup's epoch, and how many events the
+    # The fence (batchd.daemon.worker.fence): this pickup's epoch, and how many events the
     # events stream holds as far as this daemon knows.
     epoch: int = 1
     stored_events: int = 0

@@ -3,7 +3,7 @@
 Everything here runs on one thread, the engine thread (MLX streams are thread-local);
 the heartbeat has a thread (and a connection) of its own. A publish (the jobs' tokens,
 statuses and acks, plus the cancellation read and the intake read, see
-daemon.worker.intake) is one pipeline, one round trip. Where the engine computes off the
+batchd.daemon.worker.intake) is one pipeline, one round trip. Where the engine computes off the
 CPU (a GPU), a thread of its own executes it while the next step runs, so a busy step
 waits for no round trip: step N's pipeline is in flight while step N+1 computes and is
 settled right after it (jobs read and cancellations seen by it take effect at step N+2);
@@ -39,24 +39,30 @@ from typing import Any
 
 import redis
 
-from config import Settings
-from daemon.fleet.heartbeat import Heartbeat
-from daemon.fleet.housekeeping import trim_acked
-from daemon.fleet.recovery import Recovery
-from daemon.ops.observer import Ops, StepDone
-from daemon.worker import crashpoint
-from daemon.worker.acks import Acks
-from daemon.worker.control import Cancellations
-from daemon.worker.generator import Generator, JobRejected, JobStart, StepView, TokenOut
-from daemon.worker.intake import Intake
-from daemon.worker.jobs import Delivery, Job
-from daemon.worker.member import Member
-from daemon.worker.metrics import Meter
-from daemon.worker.pickup import PickupPolicy
-from daemon.worker.publisher import Flush, FlushResult, Piggyback, Publisher
-from daemon.worker.redis_io import REDIS_DOWN, REDIS_REFUSING, Backoff, connect, refuse_cluster
-from producers.keys import CONSUMER_GROUP, Keys
-from producers.schema import FinishReason
+from batchd.config.settings import Settings
+from batchd.daemon.fleet.heartbeat import Heartbeat
+from batchd.daemon.fleet.housekeeping import trim_acked
+from batchd.daemon.fleet.recovery import Recovery
+from batchd.daemon.ops.observer import Ops, StepDone
+from batchd.daemon.worker import crashpoint
+from batchd.daemon.worker.acks import Acks
+from batchd.daemon.worker.control import Cancellations
+from batchd.daemon.worker.generator import Generator, JobRejected, JobStart, StepView, TokenOut
+from batchd.daemon.worker.intake import Intake
+from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.daemon.worker.member import Member
+from batchd.daemon.worker.metrics import Meter
+from batchd.daemon.worker.pickup import PickupPolicy
+from batchd.daemon.worker.publisher import Flush, FlushResult, Piggyback, Publisher
+from batchd.daemon.worker.redis_io import (
+    REDIS_DOWN,
+    REDIS_REFUSING,
+    Backoff,
+    connect,
+    refuse_cluster,
+)
+from batchd.producers.keys import CONSUMER_GROUP, Keys
+from batchd.producers.schema import FinishReason
 
 log = logging.getLogger(__name__)
 

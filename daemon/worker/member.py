@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import redis
 
-from producers.keys import Keys
+from batchd.producers.keys import Keys
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from daemon.worker.generator import StepView
-from daemon.worker.jobs import Job
+from batchd.daemon.worker.generator import StepView
+from batchd.daemon.worker.jobs import Job
 
 WINDOW_S = 10.0
 

@@ -6,15 +6,17 @@ Built and used on the engine thread only. Importing this module imports MLX
 
 from __future__ import annotations
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
-from daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.constraints import Constraint
-from engine.exceptions import InvalidRequest
-from engine.outputs import ChunkKind
-from engine.prompt import encode_prompt
-from producers.schema import FinishReason, JobRequest, ResponseFormat, sequence_seed
+from batchd.daemon.worker.generator import JobRejected, JobStart, Load, StepView, TokenOut
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.constraints import Constraint
+from batchd.engine.exceptions import InvalidRequest
+from batchd.engine.outputs import ChunkKind
+from batchd.engine.prompt import encode_prompt
+from batchd.producers.schema import FinishReason, JobRequest, ResponseFormat, sequence_seed
 
 
 class MLXGenerator:

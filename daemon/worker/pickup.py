@@ -20,14 +20,14 @@ from typing import Any
 import orjson
 import redis
 
-from config import LimitSettings
-from daemon.worker.fence import CREATE_ONLY
-from daemon.worker.generator import JobRejected
-from daemon.worker.jobs import Delivery, Job
-from daemon.worker.member import Member
-from producers.errors import ValidationError
-from producers.keys import EVENT_FIELD, JOB_FIELD, is_name
-from producers.schema import (
+from batchd.config.limits import LimitSettings
+from batchd.daemon.worker.fence import CREATE_ONLY
+from batchd.daemon.worker.generator import JobRejected
+from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.daemon.worker.member import Member
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, is_name
+from batchd.producers.schema import (
     Event,
     FinishReason,
     JobRequest,
@@ -97,7 +97,7 @@ class PickupPolicy:
                 job.epoch = CREATE_ONLY
             out.ended.append(job)
             return
-        # This pickup's epoch fences off every earlier holder of the job (daemon.worker.fence).
+        # This pickup's epoch fences off every earlier holder of the job (worker.fence).
         job.epoch = int(raw_status.get(b"epoch", b"0")) + 1
         job.stored_events = len(raw_events)
         if self._taken(job, raw_status, out):

@@ -1,6 +1,6 @@
 """Publishing: one pipeline round trip per step writes every job's outbox, in order.
 
-Per job, a fenced append (daemon.worker.fence) stores its token events (and
+Per job, a fenced append (batchd.daemon.worker.fence) stores its token events (and
 PUBLISHes them), then its status fields. A job whose final event and final
 status are confirmed stored is finished by the *next* flush: dead letter,
 EXPIREs, XACK. So an entry is acked only after a reply said its final event is
@@ -32,11 +32,11 @@ import orjson
 import redis
 from redis.client import Pipeline
 
-from daemon.worker import crashpoint
-from daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
-from daemon.worker.jobs import Job
-from producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
-from producers.schema import Event
+from batchd.daemon.worker import crashpoint
+from batchd.daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
+from batchd.daemon.worker.jobs import Job
+from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
+from batchd.producers.schema import Event
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from config import Settings
+from batchd.config.settings import Settings
 
 log = logging.getLogger(__name__)
 

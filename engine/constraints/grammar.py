@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from engine.exceptions import InvalidRequest
+from batchd.engine.exceptions import InvalidRequest
 
 if TYPE_CHECKING:  # a TypedDict of the type stubs only
     from llguidance._lib import JsonCompileOptions

@@ -17,8 +17,8 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
-from engine.constraints.grammar import Constraint
-from engine.exceptions import InvalidRequest
+from batchd.engine.constraints.grammar import Constraint
+from batchd.engine.exceptions import InvalidRequest
 
 
 class GrammarTokenizer:

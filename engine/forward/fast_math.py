@@ -19,6 +19,8 @@ import os
 import sys
 from functools import partial
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
 DISABLE_ENV = "BATCHD_EXACT_MATH"

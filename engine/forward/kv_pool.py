@@ -16,9 +16,11 @@ import logging
 import sys
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
-from engine.models.loader import ModelSpec
+from batchd.engine.models.loader import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ of ids, so embeddings, projections, norms and the MLP run once over the
 whole batch with no padding. Each token carries its own RoPE position (rows
 of length 1 with an array offset). New K/V are scattered into the pool by
 slot; attention then reads every sequence through its block table (see
-engine.forward.paged_attention). Logits are computed only for rows that sample, and
+batchd.engine.forward.paged_attention). Logits are computed only for rows that sample, and
 for the prompt rows of a request that asked for its prompt's logprobs.
 
 On a CPU with a float32 model, the packed forward runs every part of a layer
-in the C kernels of engine.forward.native on NumPy views (products over weights
-packed at load, engine.forward.packed_model; RMSNorm; RoPE and the pool's
+in the C kernels of batchd.engine.forward.native on NumPy views (products over weights
+packed at load, batchd.engine.forward.packed_model; RMSNorm; RoPE and the pool's
 writes; attention of every row, decode and prefill, reading K/V through the
 block tables in place): no MLX evaluation inside a layer. With
 BATCHD_NATIVE_PRODUCTS=0, or a model the packing does not cover, the MLX
@@ -19,7 +19,7 @@ graph before each call (once or twice a layer, ~0.1 ms each). Without the
 kernels (no compiler, other dtypes, Metal), the MLX path runs alone.
 
 On the MLX path on a multi-core CPU, decode attention runs on several MLX streams at once
-(one thread each): decode groups are cut into lanes (engine.forward.paged_attention).
+(one thread each): decode groups are cut into lanes (batchd.engine.forward.paged_attention).
 Prefill attention stays on one stream: its products are large enough for
 BLAS to use every core already, and sharing its KV heads out among streams
 measured slower (0.8x on a 512-token prompt, 2 cores). Streams belong to the
@@ -37,14 +37,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.forward import fast_math, native
-from engine.forward.kv_pool import KVPool
-from engine.forward.packed_model import pack_model
-from engine.forward.paged_attention import (
+from batchd.engine.forward import fast_math, native
+from batchd.engine.forward.kv_pool import KVPool
+from batchd.engine.forward.packed_model import pack_model
+from batchd.engine.forward.paged_attention import (
     DecodeGroup,
     PrefillChunk,
     decode_attention,
@@ -54,8 +56,8 @@ from engine.forward.paged_attention import (
     prefill_attention,
     split_for_lanes,
 )
-from engine.models.loader import ModelSpec
-from engine.models.weight_layout import lay_out_for_cpu
+from batchd.engine.models.loader import ModelSpec
+from batchd.engine.models.weight_layout import lay_out_for_cpu
 
 # Most attention streams on a CPU: beyond a few, memory bandwidth is the limit.
 MAX_LANES = 4

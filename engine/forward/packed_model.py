@@ -18,13 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.forward import native
-from engine.forward.native import PackedWeight
-from engine.models.loader import ModelSpec
+from batchd.engine.forward import native
+from batchd.engine.forward.native import PackedWeight
+from batchd.engine.models.loader import ModelSpec
 
 # (weight [dim], eps) of an RMSNorm
 Norm = tuple[np.ndarray, float]

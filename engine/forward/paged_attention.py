@@ -1,7 +1,7 @@
 """Attention over the paged KV pool for a packed batch of tokens, in MLX.
 
 On a CPU with a float32 model the runner uses the C kernel of
-engine.forward.native instead; this is the path everywhere else.
+batchd.engine.forward.native instead; this is the path everywhere else.
 
 Decode rows (one query each) are attended in groups of similar length: each
 group gathers its sequences' blocks into a contiguous
@@ -11,7 +11,7 @@ padding mask. A prefill chunk attends to its cached prefix plus itself,
 causally; a chunk that starts at position 0 reads its own fresh K/V and needs
 no gather at all.
 
-On CPU the products and a fast softmax (engine.forward.fast_math) are written out
+On CPU the products and a fast softmax (batchd.engine.forward.fast_math) are written out
 here, since MLX's CPU SDPA spends most of its time in a slow ``exp``;
 elsewhere (Metal) ``mx.fast.scaled_dot_product_attention`` runs them.
 
@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import numpy as np
 
-from engine.forward import fast_math
+from batchd.engine.forward import fast_math
 
 # A decode group is closed when its next (shorter) sequence would waste more
 # than this fraction of the group's padded key length.

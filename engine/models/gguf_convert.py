@@ -23,10 +23,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 
-from engine.models.gguf_header import GGUFError, check_supported, meta_value
-from engine.models.gguf_tokenizer import write_tokenizer
+from batchd.engine.models.gguf_header import GGUFError, check_supported, meta_value
+from batchd.engine.models.gguf_tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
 

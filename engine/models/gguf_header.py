@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from engine.exceptions import UnsupportedModelError
+from batchd.engine.exceptions import UnsupportedModelError
 
 # ggml_type ids (ggml.h), for messages.
 GGML_TYPES: dict[int, str] = {

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.models.gguf_header import GGUFError, meta_value
+from batchd.engine.models.gguf_header import GGUFError, meta_value
 
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (

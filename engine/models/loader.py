@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.exceptions import UnsupportedModelError
+from batchd.engine.exceptions import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import numpy as np
 
-from engine.models.registry import FIXTURE_PRESETS as PRESETS
+from batchd.engine.models.registry import FIXTURE_PRESETS as PRESETS
 
 ARCHES = ("llama", "qwen3")
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")

@@ -111,10 +111,10 @@ def ensure_preset(
     if (path / "config.json").is_file():
         return path
     if name in PACKAGED:
-        from engine.models.gguf_convert import convert_gguf
+        from batchd.engine.models.gguf_convert import convert_gguf
 
         return convert_gguf(packaged_gguf(name), path, keep_quantized=keep_quantized)
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(path, FixtureSpec(preset=name))
 
@@ -137,7 +137,7 @@ def resolve_model(model: str, *, cache: Path = MODEL_CACHE) -> str:
             raise FileNotFoundError(f"GGUF file {model} not found")
         target = gguf_cache_dir(path, cache=cache)
         if not (target / "config.json").is_file():
-            from engine.models.gguf_convert import convert_gguf
+            from batchd.engine.models.gguf_convert import convert_gguf
 
             convert_gguf(path, target)
         return str(target)

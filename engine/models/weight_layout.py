@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import mlx.nn as nn
 

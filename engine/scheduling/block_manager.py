@@ -19,7 +19,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.scheduling.sequence import Sequence
+from batchd.engine.scheduling.sequence import Sequence
 
 _ROOT_HASH = 0
 

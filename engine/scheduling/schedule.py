@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from engine.scheduling.sequence import Sequence
+from batchd.engine.scheduling.sequence import Sequence
 
 
 @dataclass(frozen=True)

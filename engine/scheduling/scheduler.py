@@ -41,11 +41,11 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 
-from engine.config import EngineConfig
-from engine.exceptions import RequestRejected
-from engine.scheduling.block_manager import BlockManager
-from engine.scheduling.schedule import ScheduledChunk, SchedulerOutput, StepBuilder
-from engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from batchd.engine.config import EngineConfig
+from batchd.engine.exceptions import RequestRejected
+from batchd.engine.scheduling.block_manager import BlockManager
+from batchd.engine.scheduling.schedule import ScheduledChunk, SchedulerOutput, StepBuilder
+from batchd.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["RequestRejected", "ScheduledChunk", "Scheduler", "SchedulerOutput"]
 

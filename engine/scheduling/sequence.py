@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
-from engine.sampling_params import SamplingParams
+from batchd.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(str, Enum):

@@ -1,4 +1,4 @@
-"""``batchd bulk`` and ``batchd bulk-worker``: bulk generation on rq (see producers.bulk)."""
+"""``batchd bulk`` and ``batchd bulk-worker``: bulk generation on rq (see batchd.producers.bulk)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from config import Settings
-from producers.bulk import enqueue_bulk
-from producers.bulk_worker import RQ_QUEUE, bulk_worker
-from producers.commands.subcommand import add_command
-from producers.errors import ValidationError
+from batchd.config.settings import Settings
+from batchd.producers.bulk import enqueue_bulk
+from batchd.producers.bulk_worker import RQ_QUEUE, bulk_worker
+from batchd.producers.commands.subcommand import add_command
+from batchd.producers.errors import ValidationError
 
 ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}
 BAR_WIDTH = 30

@@ -1,4 +1,4 @@
-"""``batchd gateway``: the OpenAI-compatible HTTP gateway (see producers.gateway)."""
+"""``batchd gateway``: the OpenAI-compatible HTTP gateway (see batchd.producers.gateway)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from config import Settings
-from producers.commands.subcommand import add_command
+from batchd.config.settings import Settings
+from batchd.producers.commands.subcommand import add_command
 
 
 def register(sub: Any) -> None:
@@ -55,8 +55,8 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
     try:
         import uvicorn
 
-        from producers.gateway.app import create_app
-        from producers.gateway.options import GatewayOptions
+        from batchd.producers.gateway.app import create_app
+        from batchd.producers.gateway.options import GatewayOptions
     except ImportError as exc:
         print(f"batchd: the gateway needs `pip install 'batchd[gateway]'` ({exc})", file=sys.stderr)
         return 2

@@ -16,13 +16,13 @@ from typing import Any
 import orjson
 import redis
 
-from config import Settings
-from config.secrets import redact
-from producers.client import Client
-from producers.commands.subcommand import Handler, add_command
-from producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
-from producers.result import ResultBuilder
-from producers.schema import Event, protocol_schema_json
+from batchd.config.secrets import redact
+from batchd.config.settings import Settings
+from batchd.producers.client import Client
+from batchd.producers.commands.subcommand import Handler, add_command
+from batchd.producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
+from batchd.producers.result import ResultBuilder
+from batchd.producers.schema import Event, protocol_schema_json
 
 
 def register(sub: Any) -> None:

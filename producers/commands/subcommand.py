@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from config import Settings
+from batchd.config.settings import Settings
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 

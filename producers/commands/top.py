@@ -1,4 +1,4 @@
-"""``batchd top``: the live fleet view as a command (see producers.top)."""
+"""``batchd top``: the live fleet view as a command (see batchd.producers.top)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import redis
 
-from config import Settings
-from producers.commands.subcommand import add_command
-from producers.keys import Keys
-from producers.top import CLEAR, render, snapshot_json, take_snapshot
+from batchd.config.settings import Settings
+from batchd.producers.commands.subcommand import add_command
+from batchd.producers.keys import Keys
+from batchd.producers.top import CLEAR, render, snapshot_json, take_snapshot
 
 
 def register(sub: Any) -> None:

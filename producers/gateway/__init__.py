@@ -3,5 +3,5 @@
 It lives on the producers side (no MLX), so it runs anywhere a client runs:
 ``batchd gateway`` serves ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``, ``/health`` and the Batch API (``/v1/files``, ``/v1/batches``)
-in front of a fleet of daemons behind one Redis. See :mod:`producers.gateway.app`.
+in front of a fleet of daemons behind one Redis. See :mod:`batchd.producers.gateway.app`.
 """

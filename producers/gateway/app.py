@@ -1,6 +1,6 @@
 """The gateway's ASGI app: routes, error shapes, and what every handler shares.
 
-Every error a client sees is OpenAI-shaped (:mod:`producers.gateway.errors`);
+Every error a client sees is OpenAI-shaped (:mod:`batchd.producers.gateway.errors`);
 a Redis failure is a 503 with a fixed message (never the URL or password),
 any other failure a 500 that says only "internal error" (details go to the log).
 """
@@ -19,14 +19,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from producers.aio import AsyncClient
-from producers.gateway.batches import Batches
-from producers.gateway.errors import REDIS_DOWN, APIError
-from producers.gateway.fleet import Fleet
-from producers.gateway.guard import Guard
-from producers.gateway.online import Online
-from producers.gateway.options import GatewayOptions
-from producers.keys import Keys
+from batchd.producers.aio import AsyncClient
+from batchd.producers.gateway.batches import Batches
+from batchd.producers.gateway.errors import REDIS_DOWN, APIError
+from batchd.producers.gateway.fleet import Fleet
+from batchd.producers.gateway.guard import Guard
+from batchd.producers.gateway.online import Online
+from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """OpenAI Batch API lines: one request each in, one response each out.
 
 An input line is ``{"custom_id", "method": "POST", "url", "body"}``; its body is
-mapped exactly as the online endpoint maps it (:mod:`producers.gateway.params`),
+mapped exactly as the online endpoint maps it (:mod:`batchd.producers.gateway.params`),
 so a batch refuses what an online request would. The result line batchd's bulk
 run writes for it keeps ``custom_id``, ``url`` and ``model``, from which
 :func:`output_line` makes OpenAI's output or error line. No web framework here:
@@ -14,11 +14,17 @@ from typing import Any
 
 import orjson
 
-from producers.errors import ValidationError
-from producers.gateway.errors import APIError
-from producers.gateway.params import chat_request, completion_request
-from producers.gateway.shapes import CHAT, TEXT, add_prompt_logprobs, completion_id, usage_dict
-from producers.schema import Usage
+from batchd.producers.errors import ValidationError
+from batchd.producers.gateway.errors import APIError
+from batchd.producers.gateway.params import chat_request, completion_request
+from batchd.producers.gateway.shapes import (
+    CHAT,
+    TEXT,
+    add_prompt_logprobs,
+    completion_id,
+    usage_dict,
+)
+from batchd.producers.schema import Usage
 
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": TEXT}
 MAPPERS = {CHAT: chat_request, TEXT: completion_request}

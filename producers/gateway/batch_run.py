@@ -1,6 +1,6 @@
 """The rq job of one OpenAI batch: batchd's bulk run, then the output and error files.
 
-The bulk run (:func:`producers.bulk.run_bulk`) is what makes a batch
+The bulk run (:func:`batchd.producers.bulk.run_bulk`) is what makes a batch
 resumable: results are appended to ``<batch id>.results.jsonl`` as jobs end,
 job ids are derived from the input lines and submits are idempotent, so a
 killed worker, gateway or daemon costs no line twice (rq requeues an
@@ -18,9 +18,9 @@ import orjson
 import redis
 from rq import get_current_job
 
-from producers.bulk import input_lines, run_bulk
-from producers.gateway.batch_lines import custom_id_of, output_line
-from producers.gateway.store import (
+from batchd.producers.bulk import input_lines, run_bulk
+from batchd.producers.gateway.batch_lines import custom_id_of, output_line
+from batchd.producers.gateway.store import (
     OWNER,
     batch_key,
     decode,
@@ -30,7 +30,7 @@ from producers.gateway.store import (
     file_record,
     stop_key,
 )
-from producers.keys import Keys
+from batchd.producers.keys import Keys
 
 
 def run_batch(

@@ -1,6 +1,6 @@
 """The Batch API over HTTP: ``/v1/files`` and ``/v1/batches``, in OpenAI's format.
 
-Creating a batch enqueues :func:`producers.gateway.batch_run.run_batch` on rq's
+Creating a batch enqueues :func:`batchd.producers.gateway.batch_run.run_batch` on rq's
 bulk queue (JSON serializer), with the batch id as the rq job id; a
 ``batchd bulk-worker`` runs it. A batch's status is what its runner last
 recorded, except that a runner that crashed for good (its rq job failed)
@@ -23,14 +23,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from producers.bulk import ABANDONED_RETRIES
-from producers.bulk_worker import rq_queue
-from producers.gateway.batch_lines import ENDPOINTS
-from producers.gateway.errors import APIError, invalid, not_found
-from producers.gateway.guard import Guard
-from producers.gateway.online import parse_body
-from producers.gateway.options import GatewayOptions
-from producers.gateway.store import (
+from batchd.producers.bulk import ABANDONED_RETRIES
+from batchd.producers.bulk_worker import rq_queue
+from batchd.producers.gateway.batch_lines import ENDPOINTS
+from batchd.producers.gateway.errors import APIError, invalid, not_found
+from batchd.producers.gateway.guard import Guard
+from batchd.producers.gateway.online import parse_body
+from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.store import (
     OWNER,
     TERMINAL,
     batch_index,
@@ -43,7 +43,7 @@ from producers.gateway.store import (
     owned,
     stop_key,
 )
-from producers.keys import Keys
+from batchd.producers.keys import Keys
 
 COMPLETION_WINDOW = "24h"
 WINDOW_S = 24 * 3600
@@ -158,7 +158,7 @@ class Batches:
     def _enqueue(self, batch_id: str) -> None:
         limits = self.options.limits
         rq_queue(self.sync).enqueue_call(
-            "producers.gateway.batch_run.run_batch",
+            "batchd.producers.gateway.batch_run.run_batch",
             kwargs={
                 "batch_id": batch_id,
                 "files_dir": str(self.files_dir.resolve()),

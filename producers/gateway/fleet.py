@@ -16,8 +16,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from producers.keys import CONSUMER_GROUP, Keys
-from producers.schema import DaemonHeartbeat
+from batchd.producers.keys import CONSUMER_GROUP, Keys
+from batchd.producers.schema import DaemonHeartbeat
 
 SCAN_COUNT = 500
 

@@ -14,7 +14,7 @@ from collections import Counter
 
 from starlette.requests import Request
 
-from producers.gateway.errors import APIError, too_busy
+from batchd.producers.gateway.errors import APIError, too_busy
 
 
 class Guard:

@@ -17,17 +17,17 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from config import LimitSettings
-from producers.aio import AsyncClient, AsyncJobHandle
-from producers.errors import ValidationError
-from producers.gateway.errors import APIError, invalid, too_busy
-from producers.gateway.fleet import Fleet
-from producers.gateway.guard import Guard
-from producers.gateway.params import Mapped, chat_request, completion_request
-from producers.gateway.shapes import CHAT, TEXT, Shaper
-from producers.gateway.stream import DONE, EventStream, sse
-from producers.result import FAILED_REASONS
-from producers.schema import Event, JobRequest, new_job_id, validate_job
+from batchd.config.limits import LimitSettings
+from batchd.producers.aio import AsyncClient, AsyncJobHandle
+from batchd.producers.errors import ValidationError
+from batchd.producers.gateway.errors import APIError, invalid, too_busy
+from batchd.producers.gateway.fleet import Fleet
+from batchd.producers.gateway.guard import Guard
+from batchd.producers.gateway.params import Mapped, chat_request, completion_request
+from batchd.producers.gateway.shapes import CHAT, TEXT, Shaper
+from batchd.producers.gateway.stream import DONE, EventStream, sse
+from batchd.producers.result import FAILED_REASONS
+from batchd.producers.schema import Event, JobRequest, new_job_id, validate_job
 
 FAILED_STATUS = {"error": 500, "cancelled": 409, "expired": 504}
 

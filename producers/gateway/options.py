@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import LimitSettings
-from producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from batchd.config.limits import LimitSettings
+from batchd.producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 
 @dataclass

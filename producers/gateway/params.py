@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from producers.gateway.errors import APIError, invalid, unsupported
+from batchd.producers.gateway.errors import APIError, invalid, unsupported
 
 OPENAI_TEMPERATURE = 1.0
 COMPLETIONS_MAX_TOKENS = 16

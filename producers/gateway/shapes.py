@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from producers.schema import Event, Usage
+from batchd.producers.schema import Event, Usage
 
 CHAT = "chat.completion"
 TEXT = "text_completion"

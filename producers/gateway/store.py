@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from producers.keys import Keys
+from batchd.producers.keys import Keys
 
 BATCH_STATUSES = (
     "validating",

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import fakeredis
 
-from daemon.chaos.aof import AofTail
-from daemon.chaos.hostile import HostileSource
-from daemon.chaos.ledger import HostileSend, Ledger
-from daemon.chaos.verdict import judge
-from daemon.chaos.workload import ChaosJob, Via
-from daemon.redis_server import RedisServer
-from producers.errors import ValidationError
-from producers.keys import EVENT_FIELD, JOB_FIELD, Keys, event_id
-from producers.schema import Event, FinishReason, parse_job
+from batchd.daemon.chaos.aof import AofTail
+from batchd.daemon.chaos.hostile import HostileSource
+from batchd.daemon.chaos.ledger import HostileSend, Ledger
+from batchd.daemon.chaos.verdict import judge
+from batchd.daemon.chaos.workload import ChaosJob, Via
+from batchd.daemon.redis_server import RedisServer
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, Keys, event_id
+from batchd.producers.schema import Event, FinishReason, parse_job
 
 KEYS = Keys()
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from daemon.chaos.options import ChaosOptions
-from daemon.chaos.report import render
-from daemon.chaos.run import run_chaos
-from engine import EngineConfig
+from batchd.daemon.chaos.options import ChaosOptions
+from batchd.daemon.chaos.report import render
+from batchd.daemon.chaos.run import run_chaos
+from batchd.engine import EngineConfig
 
 
 def test_smoke_run_loses_doubles_and_breaks_nothing(tiny_model: Path, tmp_path: Path) -> None:

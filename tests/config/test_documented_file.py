@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from config import Settings, load_settings
+from batchd.config.settings import Settings, load_settings
 
 if sys.version_info >= (3, 11):
     import tomllib

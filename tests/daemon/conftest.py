@@ -10,14 +10,15 @@ import pytest
 from support.daemon_harness import ENGINE_OPTS, Reference
 
 if TYPE_CHECKING:
-    from engine import LLMEngine
+    from batchd.engine import LLMEngine
 
 
 @pytest.fixture(scope="session")
 def reference_engine(tiny_model: Path) -> LLMEngine:
     """The tiny model in-process, with the engine options the test daemons use."""
-    import engine  # noqa: F401  (OpenBLAS before MLX)
-    from engine import EngineConfig, LLMEngine
+    import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
+    from batchd.engine import EngineConfig, LLMEngine
 
     return LLMEngine.from_pretrained(tiny_model, EngineConfig(**ENGINE_OPTS))
 
@@ -25,8 +26,8 @@ def reference_engine(tiny_model: Path) -> LLMEngine:
 @pytest.fixture(scope="session")
 def reference(reference_engine: LLMEngine) -> Reference:
     """Token ids the engine produces in-process (uninterrupted) for each job dict."""
-    from engine import SamplingParams
-    from producers.schema import validate_job
+    from batchd.engine import SamplingParams
+    from batchd.producers.schema import validate_job
 
     def run(jobs: list[dict[str, Any]]) -> dict[str, list[int]]:
         requests = [validate_job(job) for job in jobs]

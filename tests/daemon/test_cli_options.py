@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.chaos.options import ChaosOptions, from_command_line
-from daemon.cli import build_parser, settings_from_args
-from producers.commands.subcommand import add_command
+from batchd.daemon.chaos.options import ChaosOptions, from_command_line
+from batchd.daemon.cli import build_parser, settings_from_args
+from batchd.producers.commands.subcommand import add_command
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # The README's placeholders, given a value of the right type.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.models.registry import gguf_cache_dir, packaged_gguf
-from producers.client import Client
+from batchd.engine.models.registry import gguf_cache_dir, packaged_gguf
+from batchd.producers.client import Client
 from support.daemon_harness import ROOT, DaemonProcess, daemon_config
 from support.redis_server import RedisServer
 

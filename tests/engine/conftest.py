@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `tiny`-shaped qwen3 model (q/k norms, tied embeddings)."""
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "qwen3", FixtureSpec(arch="qwen3"))
 
@@ -18,7 +18,7 @@ def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` llama, 4-bit quantized by mlx-lm's converter."""
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "q4", FixtureSpec(quantize_bits=4))
 
@@ -26,8 +26,8 @@ def tiny_q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct converted from its packaged GGUF (float32), once per session."""
-    from engine.models.gguf_convert import convert_gguf
-    from engine.models.registry import packaged_gguf
+    from batchd.engine.models.gguf_convert import convert_gguf
+    from batchd.engine.models.registry import packaged_gguf
 
     out = tmp_path_factory.mktemp("models") / "smollm2"
     return convert_gguf(packaged_gguf("smollm2"), out, keep_quantized=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from engine import LLMEngine, SamplingParams
+from batchd.engine import LLMEngine, SamplingParams
 
 NEAR_TIE = 1e-4
 

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 PURE_MODULES = (
-    "engine.config",
-    "engine.sampling_params",
-    "engine.scheduling.sequence",
-    "engine.scheduling.block_manager",
-    "engine.scheduling.schedule",
-    "engine.scheduling.scheduler",
+    "batchd.engine.config",
+    "batchd.engine.sampling_params",
+    "batchd.engine.scheduling.sequence",
+    "batchd.engine.scheduling.block_manager",
+    "batchd.engine.scheduling.schedule",
+    "batchd.engine.scheduling.scheduler",
 )
 
 PROBE = """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from batchd.engine.config import EngineConfig
+from batchd.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
-from engine.exceptions import InvalidRequest
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from batchd.engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from batchd.engine.exceptions import InvalidRequest
+from batchd.engine.models.loader import LoadedModel, load
 
 PROMPT = list(range(100, 160))
 

@@ -4,15 +4,16 @@ the two controls mlx-lm lacks (grammar mask, min_tokens) do what they say."""
 
 from __future__ import annotations
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine.logits_processors import process_row
-from engine.sampler import SampleRow, sample
-from engine.sampling_params import SamplingParams
+from batchd.engine.logits_processors import process_row
+from batchd.engine.sampler import SampleRow, sample
+from batchd.engine.sampling_params import SamplingParams
 
 VOCAB = 300
 

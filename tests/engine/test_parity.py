@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 from parity_harness import (
     Reference,
@@ -18,9 +20,8 @@ from parity_harness import (
     shared_prefix_requests,
 )
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine
+from batchd.engine.models.loader import LoadedModel, load
 
 VOCAB = 1024
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 from parity_harness import (
     Reference,
@@ -20,9 +22,8 @@ from parity_harness import (
     shared_prefix_requests,
 )
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine
+from batchd.engine.models.loader import LoadedModel, load
 
 VOCAB = 49152
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.models.loader import LoadedModel, load
 from tests.engine.parity_harness import prompt_logprobs_reference
 
 PROMPT = [(53 * j) % 900 + 30 for j in range(75)]

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.models.loader import LoadedModel, load
 
 MAX_TOKENS = 48
 INCOMPLETE = "\ufffd"

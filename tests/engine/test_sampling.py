@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.loader import LoadedModel, load
-from engine.sampler import SampleRow, position_uniform, sample
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.models.loader import LoadedModel, load
+from batchd.engine.sampler import SampleRow, position_uniform, sample
 
 VOCAB = 50
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.models.loader import LoadedModel, load
 from tests.engine.parity_harness import Reference, Req, check_parity
 
 BLOCK = 16

@@ -15,16 +15,17 @@ import os
 import re
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import jsonschema
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from daemon.bench.constrained import NESTED_SCHEMA, nested_constraint
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.constraints import Constraint
-from engine.exceptions import InvalidRequest
-from engine.models.loader import load
-from engine.scheduling.sequence import FinishReason
+from batchd.daemon.bench.constrained import NESTED_SCHEMA, nested_constraint
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.constraints import Constraint
+from batchd.engine.exceptions import InvalidRequest
+from batchd.engine.models.loader import load
+from batchd.engine.scheduling.sequence import FinishReason
 
 MAX_TOKENS = 256  # the nested schema's JSON takes ~90 tokens at most here
 

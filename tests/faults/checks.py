@@ -7,8 +7,8 @@ from typing import Any
 
 import redis
 
-from producers.keys import CONSUMER_GROUP, Keys
-from producers.schema import JobState
+from batchd.producers.keys import CONSUMER_GROUP, Keys
+from batchd.producers.schema import JobState
 from support.daemon_harness import expected_fake_tokens, status_of, token_ids, wait_final
 
 KEYS = Keys()

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from daemon.chaos.proxy import proxy_to
+from batchd.daemon.chaos.proxy import proxy_to
+from batchd.producers.keys import CONSUMER_GROUP
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
-from producers.keys import CONSUMER_GROUP
 from support.daemon_harness import FakeGenerator, enqueue, fast_settings, wait_until, worker_thread
 from support.redis_server import RedisServer
 

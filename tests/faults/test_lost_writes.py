@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchd.producers.keys import CONSUMER_GROUP
+from batchd.producers.schema import FinishReason
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
-from producers.keys import CONSUMER_GROUP
-from producers.schema import FinishReason
 from support.daemon_harness import (
     DaemonProcess,
     FakeGenerator,

@@ -12,8 +12,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from daemon.chaos.proxy import proxy_to
-from daemon.worker.generator import TokenOut
+from batchd.daemon.chaos.proxy import proxy_to
+from batchd.daemon.worker.generator import TokenOut
 from faults.checks import KEYS, fake_jobs, wait_nothing_pending
 from support.daemon_harness import (
     FakeGenerator,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from daemon.fleet.housekeeping import trim_acked
-from daemon.fleet.recovery import Recovery
-from daemon.worker.member import Member
+from batchd.daemon.fleet.housekeeping import trim_acked
+from batchd.daemon.fleet.recovery import Recovery
+from batchd.daemon.worker.member import Member
+from batchd.producers.keys import CONSUMER_GROUP
 from faults.checks import KEYS, assert_all_done_once, fake_jobs, wait_nothing_pending
-from producers.keys import CONSUMER_GROUP
 from support.daemon_harness import FakeGenerator, enqueue, fast_settings, worker_thread
 from support.redis_server import RedisServer
 

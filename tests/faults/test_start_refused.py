@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from daemon.fleet.heartbeat import ConsumerTaken
-from daemon.worker.loop import Worker
-from daemon.worker.redis_io import ClusterUnsupported
+from batchd.daemon.fleet.heartbeat import ConsumerTaken
+from batchd.daemon.worker.loop import Worker
+from batchd.daemon.worker.redis_io import ClusterUnsupported
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
 from support.daemon_harness import (
     DaemonProcess,

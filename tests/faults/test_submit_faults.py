@@ -10,11 +10,11 @@ import time
 import pytest
 import redis
 
-from daemon.chaos.proxy import proxy_to
-from daemon.cli import main as cli_main
+from batchd.daemon.chaos.proxy import proxy_to
+from batchd.daemon.cli import main as cli_main
+from batchd.producers.client import Client
+from batchd.producers.errors import JobNotFound
 from faults.checks import KEYS
-from producers.client import Client
-from producers.errors import JobNotFound
 from support.redis_server import RedisServer, free_port
 
 

@@ -9,8 +9,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from daemon.worker.generator import TokenOut
-from daemon.worker.loop import Worker
+from batchd.daemon.worker.generator import TokenOut
+from batchd.daemon.worker.loop import Worker
 from support.daemon_harness import FakeGenerator, fast_settings
 
 

@@ -10,7 +10,7 @@ import pytest
 from rq import Callback
 from rq.job import JobStatus
 
-from producers.bulk_worker import bulk_worker, rq_queue
+from batchd.producers.bulk_worker import bulk_worker, rq_queue
 from support.redis_server import RedisServer
 
 
@@ -46,7 +46,7 @@ def test_callbacks_named_in_redis_are_never_imported(
     conn = redis_server.client()
     evil = Callback("evil_callback.run")
     job = rq_queue(conn).enqueue_call(
-        "producers.bulk.run_bulk",
+        "batchd.producers.bulk.run_bulk",
         kwargs={"input_path": str(tmp_path / "missing.jsonl"), "output_path": str(tmp_path / "o")},
         on_success=evil,
         on_failure=evil,

@@ -18,11 +18,11 @@ from rq import SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from daemon.cli import main
-from producers.bulk import ResultFile, line_job_id, parse_line, run_bulk
-from producers.bulk_worker import rq_queue
-from producers.commands.bulk import follow_progress
-from producers.errors import BulkBusy, ValidationError
+from batchd.daemon.cli import main
+from batchd.producers.bulk import ResultFile, line_job_id, parse_line, run_bulk
+from batchd.producers.bulk_worker import rq_queue
+from batchd.producers.commands.bulk import follow_progress
+from batchd.producers.errors import BulkBusy, ValidationError
 from support.redis_server import RedisServer
 from support.text_daemon import expected_text, text_daemon
 
@@ -43,7 +43,7 @@ def read_output(path: Path) -> list[dict]:
 
 def start_worker(server: RedisServer, *options: str) -> subprocess.Popen[bytes]:
     """``batchd bulk-worker --burst`` in a subprocess."""
-    command = ["-m", "daemon.cli", "--redis-url", server.url, "bulk-worker", "--burst"]
+    command = ["-m", "batchd.daemon.cli", "--redis-url", server.url, "bulk-worker", "--burst"]
     return subprocess.Popen(
         [sys.executable, *command, *options],
         cwd=ROOT,
@@ -131,7 +131,7 @@ def test_rq_worker_runs_bulk_and_progress_is_shown(
     job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     assert job.kwargs["input_path"] == str(source) and job.timeout == -1
     stored = json.loads(zlib.decompress(conn.hget(job.key, "data") or b""))  # JSON, not pickle
-    assert stored[0] == "producers.bulk.run_bulk" and stored[3]["window"] == 64
+    assert stored[0] == "batchd.producers.bulk.run_bulk" and stored[3]["window"] == 64
     with text_daemon(redis_server.url):
         SimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer).work(burst=True)
     bar = io.StringIO()

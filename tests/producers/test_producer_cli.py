@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from daemon.cli import main
+from batchd.daemon.cli import main
 from support.redis_server import RedisServer
 from support.text_daemon import expected_text, text_daemon
 

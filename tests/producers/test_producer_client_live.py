@@ -13,12 +13,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from producers import follow
-from producers.aio import AsyncClient
-from producers.client import Client
-from producers.errors import JobFailed, JobNotFound, JobTimeout, ValidationError
-from producers.keys import Keys
-from producers.schema import Event, FinishReason, JobState
+from batchd.producers import follow
+from batchd.producers.aio import AsyncClient
+from batchd.producers.client import Client
+from batchd.producers.errors import JobFailed, JobNotFound, JobTimeout, ValidationError
+from batchd.producers.keys import Keys
+from batchd.producers.schema import Event, FinishReason, JobState
 from support.redis_server import RedisServer, free_port
 from support.text_daemon import expected_text, text_daemon
 

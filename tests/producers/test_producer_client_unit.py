@@ -10,14 +10,14 @@ import fakeredis
 import pytest
 import redis
 
-from config import LimitSettings
-from producers.aio import AsyncClient
-from producers.client import Client
-from producers.errors import JobFailed, JobNotFound, ProtocolError, ValidationError
-from producers.follow import Delivery, FetchStatus, Follower, Pause, PlanDriver, Read
-from producers.keys import CANCEL_FIELD, EVENT_FIELD, JOB_FIELD, Keys, event_id
-from producers.result import collect
-from producers.schema import Event, FinishReason, JobState, JobStatus, parse_job
+from batchd.config.limits import LimitSettings
+from batchd.producers.aio import AsyncClient
+from batchd.producers.client import Client
+from batchd.producers.errors import JobFailed, JobNotFound, ProtocolError, ValidationError
+from batchd.producers.follow import Delivery, FetchStatus, Follower, Pause, PlanDriver, Read
+from batchd.producers.keys import CANCEL_FIELD, EVENT_FIELD, JOB_FIELD, Keys, event_id
+from batchd.producers.result import collect
+from batchd.producers.schema import Event, FinishReason, JobState, JobStatus, parse_job
 
 KEYS = Keys()
 

@@ -11,10 +11,10 @@ from typing import Any
 import fakeredis
 import pytest
 
-from daemon.cli import main
-from producers.client import Client
-from producers.errors import ValidationError
-from producers.schema import JobRequest, parse_job
+from batchd.daemon.cli import main
+from batchd.producers.client import Client
+from batchd.producers.errors import ValidationError
+from batchd.producers.schema import JobRequest, parse_job
 from support.redis_server import RedisServer
 
 SCHEMA = {

@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from config import LimitSettings, load_settings
-from daemon.cli import main
-from producers.errors import ValidationError
-from producers.keys import Keys, event_id, seq_of
-from producers.schema import (
+from batchd.config.limits import LimitSettings
+from batchd.config.settings import load_settings
+from batchd.daemon.cli import main
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import Keys, event_id, seq_of
+from batchd.producers.schema import (
     Choice,
     Event,
     FinishReason,

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from config import Settings, load_settings
-from daemon.cli import main
-from daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
-from daemon.worker.loop import Worker
-from producers.client import Client
-from producers.keys import CONSUMER_GROUP, Keys
-from producers.schema import FinishReason, JobRequest
+from batchd.config.settings import Settings, load_settings
+from batchd.daemon.cli import main
+from batchd.daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
+from batchd.daemon.worker.loop import Worker
+from batchd.producers.client import Client
+from batchd.producers.keys import CONSUMER_GROUP, Keys
+from batchd.producers.schema import FinishReason, JobRequest
 from support.redis_server import RedisServer
 
 KEYS = Keys()

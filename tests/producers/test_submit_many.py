@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import redis
 
-from producers.aio import AsyncClient
-from producers.base import MAX_SUBMIT_MANY
-from producers.client import Client
-from producers.errors import ValidationError
-from producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
-from producers.schema import JobRequest, JobState, parse_job
+from batchd.producers.aio import AsyncClient
+from batchd.producers.base import MAX_SUBMIT_MANY
+from batchd.producers.client import Client
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
+from batchd.producers.schema import JobRequest, JobState, parse_job
 from support.redis_server import RedisServer
 from support.text_daemon import expected_text, text_daemon
 

@@ -20,9 +20,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producers.errors import ValidationError
-from producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
-from producers.schema import parse_job
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
+from batchd.producers.schema import parse_job
 from support.daemon_harness import (
     FakeGenerator,
     enqueue,

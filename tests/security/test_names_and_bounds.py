@@ -6,13 +6,13 @@ import uuid
 
 import pytest
 
-from config import SettingsError, load_settings
-from daemon.cli import main
-from producers.aio import AsyncClient
-from producers.client import Client
-from producers.errors import ValidationError
-from producers.keys import Keys, is_name
-from producers.schema import parse_job, protocol_schema
+from batchd.config.settings import SettingsError, load_settings
+from batchd.daemon.cli import main
+from batchd.producers.aio import AsyncClient
+from batchd.producers.client import Client
+from batchd.producers.errors import ValidationError
+from batchd.producers.keys import Keys, is_name
+from batchd.producers.schema import parse_job, protocol_schema
 from support.redis_server import RedisServer
 
 HOSTILE_PAYLOADS = [

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from daemon.worker import pickup
-from daemon.worker.generator import JobStart, TokenOut
-from producers.keys import CONSUMER_GROUP, Keys
-from producers.schema import FinishReason
+from batchd.daemon.worker import pickup
+from batchd.daemon.worker.generator import JobStart, TokenOut
+from batchd.producers.keys import CONSUMER_GROUP, Keys
+from batchd.producers.schema import FinishReason
 from support.daemon_harness import (
     FakeGenerator,
     enqueue,

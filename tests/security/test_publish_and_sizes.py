@@ -10,12 +10,12 @@ from typing import Any
 import orjson
 import pytest
 
-from config import LimitSettings
-from daemon.worker import pickup
-from daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
-from daemon.worker.jobs import Delivery, Job
-from producers.keys import JOB_FIELD, Keys
-from producers.schema import parse_job
+from batchd.config.limits import LimitSettings
+from batchd.daemon.worker import pickup
+from batchd.daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
+from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.producers.keys import JOB_FIELD, Keys
+from batchd.producers.schema import parse_job
 from support.redis_server import RedisServer
 
 KEYS = Keys()

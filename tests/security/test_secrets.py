@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producers.client import Client
-from producers.errors import JobFailed
-from producers.schema import JobState
+from batchd.producers.client import Client
+from batchd.producers.errors import JobFailed
+from batchd.producers.schema import JobState
 from support.daemon_harness import (
     ROOT,
     FakeGenerator,
@@ -188,7 +188,7 @@ def test_no_command_prints_the_password(args: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
     env["BATCHD_REDIS_URL"] = url
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args],
+        [sys.executable, "-m", "batchd.daemon.cli", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -204,7 +204,7 @@ def test_a_bad_url_setting_does_not_print_the_password() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
     env["BATCHD_REDIS_URL"] = f"http://batchd:{SECRET}@example:6379/0"
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "status", "job1"],
+        [sys.executable, "-m", "batchd.daemon.cli", "status", "job1"],
         env=env,
         cwd=ROOT,
         capture_output=True,

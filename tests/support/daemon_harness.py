@@ -18,11 +18,18 @@ from typing import Any
 import orjson
 import redis
 
-from config import Settings, load_settings
-from daemon.worker.generator import Generator, JobRejected, JobStart, Load, StepView, TokenOut
-from daemon.worker.loop import Worker
-from producers.keys import EVENT_FIELD, JOB_FIELD, Keys, seq_of
-from producers.schema import Event, FinishReason, JobRequest, JobStatus
+from batchd.config.settings import Settings, load_settings
+from batchd.daemon.worker.generator import (
+    Generator,
+    JobRejected,
+    JobStart,
+    Load,
+    StepView,
+    TokenOut,
+)
+from batchd.daemon.worker.loop import Worker
+from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, Keys, seq_of
+from batchd.producers.schema import Event, FinishReason, JobRequest, JobStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 # Token ids an uninterrupted in-process run gives each job dict (the `reference` fixture).
@@ -196,7 +203,7 @@ class DaemonProcess:
         consumer: str | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
-        args = [sys.executable, "-m", "daemon.cli", "--config", str(config), "serve"]
+        args = [sys.executable, "-m", "batchd.daemon.cli", "--config", str(config), "serve"]
         args += ["--model", str(model), *extra_args]
         if consumer:
             args += ["--consumer-name", consumer]

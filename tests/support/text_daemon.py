@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
-from producers.schema import FinishReason, JobRequest
+from batchd.daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
+from batchd.producers.schema import FinishReason, JobRequest
 from support.daemon_harness import fast_settings, worker_thread
 
 

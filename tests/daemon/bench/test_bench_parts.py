@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from config.settings import Settings
-from daemon.bench.limit import ModelFlops
-from daemon.bench.progress import Progress
-from daemon.bench.queue import (
+from batchd.config.settings import Settings
+from batchd.daemon.bench.limit import ModelFlops
+from batchd.daemon.bench.progress import Progress
+from batchd.daemon.bench.queue import (
     MAX_ROUNDS,
     MIN_ROUNDS,
     ROUNDS_BUDGET_S,
@@ -30,13 +30,20 @@ from daemon.bench.queue import (
     _spent,
     _times_between,
 )
-from daemon.bench.report import _queue_line
-from daemon.bench.stats import Recorder, step_profile
-from daemon.bench.subscriber import SUBSCRIBER_NICE, run_as_subscriber
-from daemon.bench.systems import SystemSettings
-from daemon.bench.workloads import SCALES, Request, Workload, mixed, poisson_arrivals, shared_prefix
-from engine.models.model_fixture import PRESETS
-from engine.outputs import StepStats
+from batchd.daemon.bench.report import _queue_line
+from batchd.daemon.bench.stats import Recorder, step_profile
+from batchd.daemon.bench.subscriber import SUBSCRIBER_NICE, run_as_subscriber
+from batchd.daemon.bench.systems import SystemSettings
+from batchd.daemon.bench.workloads import (
+    SCALES,
+    Request,
+    Workload,
+    mixed,
+    poisson_arrivals,
+    shared_prefix,
+)
+from batchd.engine.models.model_fixture import PRESETS
+from batchd.engine.outputs import StepStats
 from support.redis_server import RedisServer, free_port
 
 BENCH_SMALL = PRESETS["bench-small"]

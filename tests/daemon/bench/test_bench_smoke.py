@@ -17,16 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
-from config import load_settings
-from daemon.bench.subscriber import SUBSCRIBER_NICE
-from daemon.bench.workloads import SCALES, mixed, shared_prefix
-from daemon.commands import bench as bench_cmd
+from batchd.config.settings import load_settings
+from batchd.daemon.bench.subscriber import SUBSCRIBER_NICE
+from batchd.daemon.bench.workloads import SCALES, mixed, shared_prefix
+from batchd.daemon.commands import bench as bench_cmd
 from support.redis_server import RedisServer
 
-# Static batching runs on mixed only (daemon.bench.runner.OFFLINE_SYSTEMS).
+# Static batching runs on mixed only (batchd.daemon.bench.runner.OFFLINE_SYSTEMS).
 OFFLINE_SYSTEMS = {
     "mixed": {"batchd", "batchgen", "static", "sequential"},
     "shared-prefix": {"batchd", "batchgen", "sequential"},
@@ -48,7 +49,7 @@ def bench_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     server = RedisServer(tmp_path_factory.mktemp("bench-redis")).start()
     stdout = io.StringIO()
     try:
-        # The bench subcommand alone, as daemon.cli registers it.
+        # The bench subcommand alone, as batchd.daemon.cli registers it.
         parser = argparse.ArgumentParser(prog="batchd")
         bench_cmd.register(parser.add_subparsers())
         args = parser.parse_args(
@@ -208,7 +209,7 @@ def test_sweep_bounds_must_be_positive_or_none() -> None:
 
 
 def test_queue_rounds_help_gives_the_policy_the_bench_runs() -> None:
-    from daemon.bench.queue import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_BUDGET_S
+    from batchd.daemon.bench.queue import MAX_ROUNDS, MIN_ROUNDS, ROUNDS_BUDGET_S
 
     parser = argparse.ArgumentParser(prog="batchd")
     bench_cmd.register(parser.add_subparsers())
@@ -222,7 +223,7 @@ def test_queue_rounds_help_gives_the_policy_the_bench_runs() -> None:
 @pytest.mark.slow
 def test_quick_bench_on_bench_small(tmp_path: Path) -> None:
     """`batchd bench --quick` on the CPU benchmark model, every workload (a few minutes)."""
-    from engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     model = make_model(tmp_path / "bench-small", FixtureSpec(preset="bench-small"))
     server = RedisServer(tmp_path / "redis").start()

@@ -15,7 +15,7 @@ from support.redis_server import RedisServer
 def test_demo_streams_every_job_and_shows_steps(
     redis_server: RedisServer, tiny_model: Path
 ) -> None:
-    args = [sys.executable, "-m", "daemon.cli", "--redis-url", redis_server.url]
+    args = [sys.executable, "-m", "batchd.daemon.cli", "--redis-url", redis_server.url]
     args += ["--log-level", "WARNING", "demo", "--show-steps", "--step-ms", "0"]
     args += ["--preset", "tiny", "--model-dir", str(tiny_model)]
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -33,7 +33,7 @@ def test_demo_streams_every_job_and_shows_steps(
 @pytest.mark.slow
 def test_demo_on_smollm2_answers_questions(redis_server: RedisServer, tmp_path: Path) -> None:
     """The default demo: the real model's answers stream in and the transcript shows them."""
-    args = [sys.executable, "-m", "daemon.cli", "--redis-url", redis_server.url]
+    args = [sys.executable, "-m", "batchd.daemon.cli", "--redis-url", redis_server.url]
     args += ["--log-level", "WARNING", "demo", "--model-dir", str(tmp_path / "smollm2")]
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

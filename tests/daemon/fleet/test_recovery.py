@@ -8,10 +8,10 @@ import time
 import pytest
 import redis
 
-from daemon.fleet.recovery import Recovery
-from daemon.worker.jobs import Delivery
-from daemon.worker.member import Member
-from producers.keys import CONSUMER_GROUP, Keys
+from batchd.daemon.fleet.recovery import Recovery
+from batchd.daemon.worker.jobs import Delivery
+from batchd.daemon.worker.member import Member
+from batchd.producers.keys import CONSUMER_GROUP, Keys
 from support.redis_server import RedisServer
 
 KEYS = Keys()

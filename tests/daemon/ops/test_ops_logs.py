@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import redis
 
-from producers.keys import JOB_FIELD, Keys
+from batchd.producers.keys import JOB_FIELD, Keys
 from support.daemon_harness import DaemonProcess, daemon_config, enqueue, wait_final
 from support.redis_server import RedisServer
 

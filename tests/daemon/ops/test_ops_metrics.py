@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from producers.keys import Keys
+from batchd.producers.keys import Keys
 from support.daemon_harness import (
     ENGINE_OPTS,
     DaemonProcess,

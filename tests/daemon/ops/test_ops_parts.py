@@ -11,11 +11,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from config.secrets import redact
-from daemon.ops.faults import EngineFailure, EngineFaults
-from daemon.ops.notify import Notifier, watchdog_period_s
-from daemon.ops.supervisor import Supervisor
-from producers.telemetry import TEXT_FORMAT, JsonFormatter, RedactingFormatter
+from batchd.config.secrets import redact
+from batchd.daemon.ops.faults import EngineFailure, EngineFaults
+from batchd.daemon.ops.notify import Notifier, watchdog_period_s
+from batchd.daemon.ops.supervisor import Supervisor
+from batchd.producers.telemetry import TEXT_FORMAT, JsonFormatter, RedactingFormatter
 
 
 class Clock:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.worker.loop import EXIT_STALLED
-from producers.keys import Keys
+from batchd.daemon.worker.loop import EXIT_STALLED
+from batchd.producers.keys import Keys
 from support.daemon_harness import DaemonProcess, daemon_config, enqueue, wait_until
 from support.redis_server import RedisServer
 

@@ -1,5 +1,5 @@
 """A daemon whose engine computes on the CPU waits for each publish round trip between
-steps instead of running it beside the next step (daemon.worker.loop: there the engine's
+steps instead of running it beside the next step (batchd.daemon.worker.loop: there the engine's
 threads take every core). Real engine (tiny model), real redis-server."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import EngineConfig
-from producers.client import Client
+from batchd.engine import EngineConfig
+from batchd.producers.client import Client
 from support.daemon_harness import ENGINE_OPTS, fast_settings, worker_thread
 from support.redis_server import RedisServer
 
@@ -19,7 +19,7 @@ from support.redis_server import RedisServer
 def test_an_engine_on_the_cpu_settles_each_pipeline_before_its_next_step(
     redis_server: RedisServer, tiny_model: Path
 ) -> None:
-    from daemon.worker.mlx_generator import MLXGenerator
+    from batchd.daemon.worker.mlx_generator import MLXGenerator
 
     def make() -> MLXGenerator:
         return MLXGenerator.from_pretrained(str(tiny_model), EngineConfig(**ENGINE_OPTS))

@@ -16,9 +16,9 @@ from typing import Any
 
 from test_serve import ChannelRecorder
 
-from producers.client import Client
-from producers.keys import CONSUMER_GROUP, Keys
-from producers.schema import JobState
+from batchd.producers.client import Client
+from batchd.producers.keys import CONSUMER_GROUP, Keys
+from batchd.producers.schema import JobState
 from support.daemon_harness import (
     DaemonProcess,
     Reference,

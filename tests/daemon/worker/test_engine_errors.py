@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from daemon.worker import mlx_generator
-from daemon.worker.generator import JobRejected, JobStart
-from engine.exceptions import InvalidRequest, RequestRejected
-from producers.schema import validate_job
+from batchd.daemon.worker import mlx_generator
+from batchd.daemon.worker.generator import JobRejected, JobStart
+from batchd.engine.exceptions import InvalidRequest, RequestRejected
+from batchd.producers.schema import validate_job
 
 
 @pytest.fixture(scope="module")
 def generator(tiny_model: Path) -> Any:
-    from daemon.worker.mlx_generator import MLXGenerator
-    from engine import EngineConfig
+    from batchd.daemon.worker.mlx_generator import MLXGenerator
+    from batchd.engine import EngineConfig
 
     return MLXGenerator.from_pretrained(str(tiny_model), EngineConfig(max_model_len=64))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.worker.metrics import WINDOW_S, Meter
+from batchd.daemon.worker.metrics import WINDOW_S, Meter
 
 
 def test_tokens_per_s_counts_the_window_only() -> None:

@@ -15,13 +15,13 @@ import numpy as np
 import orjson
 import pytest
 
-from daemon.worker.loop import Worker
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.constraints import Constraint
-from producers.client import Client
-from producers.keys import EVENT_FIELD, Keys
-from producers.result import JobResult
-from producers.schema import Event, FinishReason, JobRequest, sequence_seed, validate_job
+from batchd.daemon.worker.loop import Worker
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.constraints import Constraint
+from batchd.producers.client import Client
+from batchd.producers.keys import EVENT_FIELD, Keys
+from batchd.producers.result import JobResult
+from batchd.producers.schema import Event, FinishReason, JobRequest, sequence_seed, validate_job
 from support.daemon_harness import (
     ENGINE_OPTS,
     crash_then_resume,
@@ -38,7 +38,7 @@ PROMPT = [5 + 7 * j for j in range(40)]
 
 @pytest.fixture
 def served(redis_server: RedisServer, tiny_model: Path) -> Iterator[tuple[Worker, Client]]:
-    from daemon.worker.mlx_generator import MLXGenerator
+    from batchd.daemon.worker.mlx_generator import MLXGenerator
 
     def make() -> MLXGenerator:
         return MLXGenerator.from_pretrained(str(tiny_model), EngineConfig(**ENGINE_OPTS))

@@ -10,9 +10,9 @@ from functools import partial
 import pytest
 import redis
 
-from daemon.worker.jobs import Delivery, Job
-from producers.keys import Keys
-from producers.schema import FinishReason
+from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.producers.keys import Keys
+from batchd.producers.schema import FinishReason
 from support.daemon_harness import (
     FakeGenerator,
     enqueue,

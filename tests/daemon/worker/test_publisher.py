@@ -6,11 +6,11 @@ from typing import Any
 
 import redis
 
-from daemon.worker.fence import CREATE_ONLY
-from daemon.worker.jobs import Delivery, Job
-from daemon.worker.publisher import FlushResult, Publisher
-from producers.keys import CONSUMER_GROUP, EVENT_FIELD, Keys, event_id
-from producers.schema import Event, FinishReason
+from batchd.daemon.worker.fence import CREATE_ONLY
+from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.daemon.worker.publisher import FlushResult, Publisher
+from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, Keys, event_id
+from batchd.producers.schema import Event, FinishReason
 from support.daemon_harness import (
     FakeGenerator,
     enqueue,

@@ -10,10 +10,10 @@ from typing import Any
 
 import jsonschema
 
-from daemon.bench.constrained import NESTED_SCHEMA
-from engine import LLMEngine, SamplingParams
-from engine.constraints import Constraint
-from producers.schema import FinishReason, validate_job
+from batchd.daemon.bench.constrained import NESTED_SCHEMA
+from batchd.engine import LLMEngine, SamplingParams
+from batchd.engine.constraints import Constraint
+from batchd.producers.schema import FinishReason, validate_job
 from support.daemon_harness import crash_then_resume, drain
 from support.redis_server import RedisServer
 

@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine import LLMEngine, SamplingParams
-from producers.schema import FinishReason, validate_job
+from batchd.engine import LLMEngine, SamplingParams
+from batchd.producers.schema import FinishReason, validate_job
 from support.daemon_harness import crash_then_resume
 from support.redis_server import RedisServer
 

@@ -9,9 +9,9 @@ from typing import Any
 import orjson
 import redis
 
-from producers.client import Client
-from producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
-from producers.schema import Event, FinishReason, JobState
+from batchd.producers.client import Client
+from batchd.producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
+from batchd.producers.schema import Event, FinishReason, JobState
 from support.daemon_harness import (
     DaemonProcess,
     Reference,

@@ -15,12 +15,12 @@ import orjson
 import pytest
 import redis
 
-from daemon.ops.observer import Ops
-from daemon.worker.loop import OVERLAP_MIN_STEP_S
-from daemon.worker.publisher import Flush
-from producers.client import Client
-from producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
-from producers.schema import Event, FinishReason, JobState
+from batchd.daemon.ops.observer import Ops
+from batchd.daemon.worker.loop import OVERLAP_MIN_STEP_S
+from batchd.daemon.worker.publisher import Flush
+from batchd.producers.client import Client
+from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
+from batchd.producers.schema import Event, FinishReason, JobState
 from support.daemon_harness import (
     FakeGenerator,
     enqueue,

@@ -6,15 +6,16 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine
-from engine.forward import native
-from engine.forward.paged_attention import decode_attention, make_decode_group
-from engine.models.loader import load
+from batchd.engine import EngineConfig, LLMEngine
+from batchd.engine.forward import native
+from batchd.engine.forward.paged_attention import decode_attention, make_decode_group
+from batchd.engine.models.loader import load
 from tests.engine.parity_harness import Reference, check_parity, random_requests, run_engine
 
 BLOCK = 16

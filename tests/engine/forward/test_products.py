@@ -8,15 +8,16 @@ import signal
 from functools import partial
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine.forward import native
-from engine.forward.packed_model import pack_model
-from engine.models.loader import load
+from batchd.engine.forward import native
+from batchd.engine.forward.packed_model import pack_model
+from batchd.engine.models.loader import load
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="no C compiler here: the kernels cannot be built"

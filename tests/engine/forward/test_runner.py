@@ -10,19 +10,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine.exceptions import UnsupportedModelError
-from engine.forward import fast_math, native
-from engine.forward.kv_pool import KVPool, size_pool
-from engine.forward.model_runner import ROW_MULTIPLE, ModelRunner, padded_rows
-from engine.forward.paged_attention import group_decodes, split_for_lanes
-from engine.models.loader import LoadedModel, check_config, load
-from engine.models.weight_layout import lay_out_for_cpu
+from batchd.engine.exceptions import UnsupportedModelError
+from batchd.engine.forward import fast_math, native
+from batchd.engine.forward.kv_pool import KVPool, size_pool
+from batchd.engine.forward.model_runner import ROW_MULTIPLE, ModelRunner, padded_rows
+from batchd.engine.forward.paged_attention import group_decodes, split_for_lanes
+from batchd.engine.models.loader import LoadedModel, check_config, load
+from batchd.engine.models.weight_layout import lay_out_for_cpu
 
 BLOCK = 16
 

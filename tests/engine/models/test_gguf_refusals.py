@@ -13,8 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine.models.gguf_convert import convert_gguf
-from engine.models.gguf_header import GGUFError, tensor_types
+from batchd.engine.models.gguf_convert import convert_gguf
+from batchd.engine.models.gguf_header import GGUFError, tensor_types
 
 TENSOR = "blk.0.attn_q.weight"
 Q4_K = 12

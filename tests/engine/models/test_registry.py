@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.models import registry
-from engine.models.registry import PRESET_NAMES, ensure_preset, packaged_gguf, resolve_model
+from batchd.engine.models import registry
+from batchd.engine.models.registry import PRESET_NAMES, ensure_preset, packaged_gguf, resolve_model
 
 
 def test_presets_are_one_registry() -> None:

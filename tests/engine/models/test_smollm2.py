@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before MLX)
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.loader import LoadedModel, load
+from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.models.loader import LoadedModel, load
 
 # (question, a word the answer must contain): answered correctly by the real model.
 QUESTIONS = [
@@ -91,8 +92,8 @@ def test_special_tokens_are_single_ids(smollm2: LoadedModel) -> None:
 @pytest.mark.slow
 def test_kept_quantized_weights_answer_too(tmp_path: Path) -> None:
     """The --keep-quantized path: MLX affine triples (Q4_1 layers, Q8_0 embedding) as is."""
-    from engine.models.gguf_convert import convert_gguf
-    from engine.models.registry import packaged_gguf
+    from batchd.engine.models.gguf_convert import convert_gguf
+    from batchd.engine.models.registry import packaged_gguf
 
     path = convert_gguf(packaged_gguf("smollm2"), tmp_path / "q", keep_quantized=True)
     config = json.loads((path / "config.json").read_text())

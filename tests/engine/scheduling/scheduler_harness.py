@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import zlib
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduling.schedule import SchedulerOutput
-from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import FinishReason, Sequence
+from batchd.engine.config import EngineConfig
+from batchd.engine.sampling_params import SamplingParams
+from batchd.engine.scheduling.schedule import SchedulerOutput
+from batchd.engine.scheduling.scheduler import Scheduler
+from batchd.engine.scheduling.sequence import FinishReason, Sequence
 
 VOCAB = 16
 

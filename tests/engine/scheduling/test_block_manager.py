@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scheduling.block_manager import BlockManager, chain_hash
-from engine.scheduling.sequence import Sequence
+from batchd.engine.scheduling.block_manager import BlockManager, chain_hash
+from batchd.engine.scheduling.sequence import Sequence
 
 
 def computed(bm: BlockManager, seq_id: str, tokens: list[int]) -> Sequence:

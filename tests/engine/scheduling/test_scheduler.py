@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import FakeClock, expected_outputs, make_scheduler, sampled_for, seq, step
 
-from engine.exceptions import RequestRejected
-from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import FinishReason, SequenceStatus
+from batchd.engine.exceptions import RequestRejected
+from batchd.engine.scheduling.scheduler import Scheduler
+from batchd.engine.scheduling.sequence import FinishReason, SequenceStatus
 
 
 def run_to_end(sched: Scheduler, limit: int = 100) -> list[list[tuple[str, int, int]]]:

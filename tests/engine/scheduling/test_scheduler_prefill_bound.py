@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import make_scheduler, seq, step
 
-from config.settings import Settings
-from engine.config import EngineConfig
+from batchd.config.settings import Settings
+from batchd.engine.config import EngineConfig
 
 
 def test_prefill_is_bounded_while_a_sequence_decodes() -> None:

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 from scheduler_harness import FakeClock, expected_outputs, sampled_for
 
-from engine.config import EngineConfig
-from engine.exceptions import RequestRejected
-from engine.sampling_params import SamplingParams
-from engine.scheduling.schedule import SchedulerOutput
-from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from batchd.engine.config import EngineConfig
+from batchd.engine.exceptions import RequestRejected
+from batchd.engine.sampling_params import SamplingParams
+from batchd.engine.scheduling.schedule import SchedulerOutput
+from batchd.engine.scheduling.scheduler import Scheduler
+from batchd.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 STOP_TOKEN = 7
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 0, 0, 0, 0], [5] * 8)

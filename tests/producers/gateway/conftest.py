@@ -18,8 +18,8 @@ import pytest
 import redis
 import uvicorn
 
-from producers.gateway.app import create_app
-from producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.app import create_app
+from batchd.producers.gateway.options import GatewayOptions
 from support.daemon_harness import DaemonProcess, daemon_config
 from support.redis_server import RedisServer, free_port
 

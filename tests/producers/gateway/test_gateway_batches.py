@@ -15,9 +15,9 @@ import pytest
 import redis
 from rq.registry import StartedJobRegistry
 
-from producers.bulk import run_bulk
-from producers.bulk_worker import bulk_worker, rq_queue
-from producers.gateway.options import GatewayOptions
+from batchd.producers.bulk import run_bulk
+from batchd.producers.bulk_worker import bulk_worker, rq_queue
+from batchd.producers.gateway.options import GatewayOptions
 from support.daemon_harness import wait_until
 
 MODEL = "tiny"
@@ -109,7 +109,7 @@ def test_batch_resumes_after_its_worker_is_killed(
     conn = redis.Redis.from_url(gateway.redis_url)
     added = int(conn.xinfo_stream("batchd:queue:default")["entries-added"])
     batch = start_batch(oai, tmp_path, lines)
-    command = [sys.executable, "-m", "daemon.cli", "--redis-url", gateway.redis_url]
+    command = [sys.executable, "-m", "batchd.daemon.cli", "--redis-url", gateway.redis_url]
     worker = subprocess.Popen([*command, "bulk-worker", "--burst", "--no-fork"])
 
     def counts() -> Any:

@@ -9,9 +9,9 @@ import time
 
 import redis.asyncio as aioredis
 
-from producers.gateway.fleet import Fleet
-from producers.keys import Keys
-from producers.schema import DaemonHeartbeat
+from batchd.producers.gateway.fleet import Fleet
+from batchd.producers.keys import Keys
+from batchd.producers.schema import DaemonHeartbeat
 from support.redis_server import RedisServer
 
 KEYS = Keys()

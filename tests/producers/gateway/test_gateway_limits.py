@@ -12,8 +12,8 @@ import orjson
 import pytest
 import redis
 
-from producers.gateway.options import GatewayOptions
-from producers.schema import JobState, JobStatus
+from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.schema import JobState, JobStatus
 from support.redis_server import free_port
 
 MODEL = "tiny"

@@ -19,9 +19,9 @@ import openai
 import orjson
 import pytest
 
-from daemon.cli import main as cli_main
-from producers.client import Client
-from producers.gateway.options import GatewayOptions
+from batchd.daemon.cli import main as cli_main
+from batchd.producers.client import Client
+from batchd.producers.gateway.options import GatewayOptions
 from support.daemon_harness import DaemonProcess, daemon_config, wait_until
 from support.redis_server import free_port
 
@@ -233,7 +233,14 @@ def test_chat_on_a_model_without_a_chat_template_is_a_400(
 
 def test_batchd_gateway_command(gateway: Any) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "daemon.cli", "--redis-url", gateway.redis_url, "gateway"]
+    command = [
+        sys.executable,
+        "-m",
+        "batchd.daemon.cli",
+        "--redis-url",
+        gateway.redis_url,
+        "gateway",
+    ]
     env = {**os.environ, "BATCHD_GATEWAY_API_KEYS": "sk-env"}
     proc = subprocess.Popen([*command, "--port", str(port), "--api-key", "sk-flag"], env=env)
     try:

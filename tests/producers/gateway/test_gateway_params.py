@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from producers.gateway.errors import APIError
-from producers.gateway.params import chat_request, completion_request
+from batchd.producers.gateway.errors import APIError
+from batchd.producers.gateway.params import chat_request, completion_request
 
 
 def chat(**body: Any) -> Any:
