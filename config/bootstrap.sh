@@ -62,6 +62,27 @@ _install_venv() {
     fi
 }
 
+# Tools only the tests use, installed by tests/run.sh (not by the demo): jq (the docs'
+# shell producer example) and Chromium (the docs' browser test, through Playwright, which
+# is pointed at Debian's build: Playwright's own browser download needs a network a build
+# machine may not reach). Optional: where one cannot be installed, the test that needs it
+# says so and skips, and it is not tried again for this virtualenv (cheap re-runs).
+batchd_install_test_tools() {
+    local package command stamp updated=
+    [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1 || return 0
+    for package in jq:jq chromium:chromium; do
+        command=${package#*:} package=${package%%:*}
+        stamp="$BATCHD_VENV/.batchd-no-$package"
+        command -v "$command" >/dev/null 2>&1 || [ -e "$stamp" ] && continue
+        echo "batchd bootstrap: installing $package (apt-get) for the tests" >&2
+        if [ -z "$updated" ]; then _as_root apt-get update -qq || true; updated=1; fi
+        if ! _as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >/dev/null; then
+            echo "batchd bootstrap: $package could not be installed: the tests that need it skip" >&2
+            : > "$stamp"
+        fi
+    done
+}
+
 _install_system_packages
 _install_venv
 export PATH="$BATCHD_VENV/bin:$PATH"

@@ -28,6 +28,7 @@ from pydantic_settings import (
 
 from batchd.config.limits import DEFAULT_REDIS_URL, NAME_PATTERN, LimitSettings, Section
 from batchd.config.secrets import redact
+from batchd.config.sections import BulkSettings, GatewaySettings
 from batchd.engine.config import EngineConfig
 
 CONFIG_ENV_VAR = "BATCHD_CONFIG"
@@ -55,7 +56,9 @@ class DaemonSettings(Section):
     grace_period_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT, time running jobs get to finish."""
     max_deliveries: int = Field(5, ge=1)
-    """Deliveries after which a job is dead-lettered as poison."""
+    """Deliveries after which a job runs alone (at most two crashes with it in a batch);
+    it is dead-lettered as poison only when its daemon dies twice while running it alone
+    with no progress."""
     redis_retry_max_s: float = Field(5.0, gt=0)
     """Longest backoff between Redis reconnection attempts."""
     metrics_port: int | None = Field(None, ge=1, le=65535)
@@ -107,6 +110,8 @@ class Settings(BaseSettings):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
+    bulk: BulkSettings = Field(default_factory=BulkSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @field_validator("redis_url")
     @classmethod

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
+from batchd import __version__
 from batchd.config.settings import Settings, SettingsError, load_settings
 from batchd.producers.telemetry import LOG_FORMATS, configure_logging
 
@@ -23,12 +25,37 @@ COMMAND_MODULES = (
     "batchd.producers.commands.bulk",
     "batchd.producers.commands.top",
     "batchd.producers.commands.gateway",
+    "batchd.producers.commands.dashboard",
     "batchd.daemon.commands.model",
     "batchd.daemon.commands.serve",
     "batchd.daemon.commands.demo",
     "batchd.daemon.commands.bench",
     "batchd.daemon.commands.chaos",
+    "batchd.daemon.commands.doctor",
 )
+
+# The optional extras (pyproject.toml), each with the modules it installs that a command
+# imports (by their import names); and what each command needs beyond the base install.
+# A producer-only install lacks them: the command then says what to install instead of
+# showing a traceback.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "daemon": ("mlx", "mlx_lm", "numpy", "tokenizers"),
+    "bench": ("matplotlib",),
+    "gateway": ("starlette", "uvicorn", "multipart", "python_multipart", "jinja2"),
+}
+COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
+    "serve": ("daemon",),
+    "demo": ("daemon",),
+    "bench": ("daemon", "bench"),
+    "make-model": ("daemon",),
+    "chaos": ("daemon",),
+    "gateway": ("gateway",),
+    "dashboard": ("gateway",),
+}
+# Checked before a command starts, so that a long run (bench writes its chart at the end)
+# or one that starts other processes (chaos) fails at once; python-multipart is left to the
+# import check, its import name having changed between releases.
+_PREFLIGHT_SKIP = frozenset({"multipart", "python_multipart"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="batchd",
         description="Message-queue driven LLM generation on MLX.",
     )
+    parser.add_argument("--version", action="version", version=f"batchd {__version__}")
     add_global_options(parser, default=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
@@ -92,11 +120,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"batchd: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    missing = _missing_module(args.command)
+    if missing is not None:
+        print(install_hint(args.command, missing), file=sys.stderr)
+        return 2
     try:
         code: int = args.func(args, settings)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        if _extra_of(exc.name) is None:
+            raise  # not an optional module: a bug, whose traceback helps
+        print(install_hint(args.command, exc.name or ""), file=sys.stderr)
+        return 2
     return code
+
+
+def _extra_of(module: str | None) -> str | None:
+    """The extra that installs ``module`` (a dotted name counts by its top level)."""
+    top = (module or "").partition(".")[0]
+    return next((extra for extra, names in EXTRA_MODULES.items() if top in names), None)
+
+
+def _missing_module(command: str) -> str | None:
+    """The first module of the command's extras that cannot be found (none is imported)."""
+    for extra in COMMAND_EXTRAS.get(command, ()):
+        for module in EXTRA_MODULES[extra]:
+            if module in _PREFLIGHT_SKIP:
+                continue
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a finder that refuses it, a half-removed one
+                found = False
+            if not found:
+                return module
+    return None
+
+
+def install_hint(command: str, module: str) -> str:
+    """What to install for ``batchd COMMAND`` when ``module`` is missing: the command's
+    extras, plus the module's own if the command was not known to need it."""
+    extras = COMMAND_EXTRAS.get(command, ())
+    extra = _extra_of(module)
+    if extra is not None and extra not in extras:
+        extras = (*extras, extra)
+    names = " and ".join(extras)
+    noun = "extra" if len(extras) == 1 else "extras"
+    return (
+        f"batchd {command} needs the {names} {noun}: pip install 'batchd[{','.join(extras)}]' "
+        f"(no module named {module!r})"
+    )
 
 
 if __name__ == "__main__":

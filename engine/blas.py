@@ -7,29 +7,27 @@ calls there. This must run before anything imports mlx, which is why
 ``engine/__init__.py`` calls it first.
 
 OpenBLAS picks its kernels from the CPU model at load time, and a build older
-than the CPU falls back to its SSE3 "Prescott" kernels: Debian 12's OpenBLAS
-0.3.21 on a Sapphire Rapids Xeon (2 cores) multiplies float32 at 65 GFLOP/s
-that way, against 300 with the AVX-512 "SkylakeX" kernels it ships. So where
-the CPU reports the AVX-512 subsets those kernels use and the user has not
-chosen (``OPENBLAS_CORETYPE``), the preload asks for them.
+than the CPU falls back to its SSE3 "Prescott" kernels, several times slower
+than the AVX-512 "SkylakeX" kernels it ships. So where the CPU reports the
+AVX-512 subsets those kernels use and the user has not chosen
+(``OPENBLAS_CORETYPE``), the preload asks for them.
 
 Except on AMD's Zen 4 (family 25 with AVX-512), which runs each 512-bit
 instruction as two 256-bit halves: there the AVX2 "Haswell" kernels multiply
-large matrices as fast (219 against 203 GFLOP/s, 2 cores) and the products of
-decode size faster (SmolLM2's 49152-wide output projection for 32 rows: 15
-against 25 ms), and SmolLM2's mixed benchmark runs 11% faster with them
-(110 against 99 tok/s). Zen 5 (family 26) has full-width AVX-512 units and
-keeps SkylakeX (433 against 180 GFLOP/s measured on one).
+large matrices as fast and the products of decode size faster. Zen 5 (family
+26) has full-width AVX-512 units and keeps SkylakeX. Revisit the family list
+when a new CPU family appears, or when an OpenBLAS release picks kernels for
+Zen 4 itself.
 
 OpenBLAS's worker threads spin, yielding, for 2**28 cycles after each product
 before they sleep, so between two products they never sleep: while the
 engine's own attention kernel or MLX's other operations run, a spinning
-worker takes a core from them (22 of 120 CPU-seconds went to yielding in a
-SmolLM2 mixed run). Unless the user set ``OPENBLAS_THREAD_TIMEOUT``, the
-preload sets it to its least, 4 (2**4 cycles): the workers sleep at once and
-are woken for the next product. SmolLM2's mixed benchmark ran 7% faster that
-way (117-119 against 108-112 tok/s, three alternating pairs, Zen 4, 2 cores);
-bench-small's, with 16 ms steps, the same within noise.
+worker takes a core from them. Unless the user set ``OPENBLAS_THREAD_TIMEOUT``,
+the preload sets it to its least, 4 (2**4 cycles): the workers sleep at once
+and are woken for the next product. Revisit both choices if the engine's CPU
+path goes back to OpenBLAS's products (they serve the MLX path and the
+benchmark's peers now). The measurements behind them are in the measurement
+log (docs/bench/HISTORY.md, "Figures behind the code's choices").
 """
 
 from __future__ import annotations

@@ -45,10 +45,25 @@ class EngineConfig:
     """Tokens per KV-cache block (the paging and prefix-cache granularity)."""
 
     num_kv_blocks: int | None = None
-    """KV pool size in blocks; None: the model runner sizes it from available memory."""
+    """KV pool size in blocks, allocated at start; None: sized from the model and
+    kv_tokens_per_seq: max_num_seqs x kv_tokens_per_seq tokens, at least one sequence
+    at max_model_len (so every request max_model_len admits can run), at most every
+    sequence at max_model_len (more would never be used), and never more than
+    kv_memory_fraction of available memory. The size and what bounded it are logged
+    at start. A pool smaller than one max_model_len sequence refuses longer requests."""
+
+    kv_tokens_per_seq: int = 1024
+    """Tokens of KV cache the automatic pool holds per running sequence, on average
+    (see num_kv_blocks). Most jobs are far shorter than max_model_len, and when the
+    pool runs out the scheduler preempts a sequence and recomputes it later, so the
+    pool need not hold every sequence at full length. Each token takes layers x 2 x
+    kv_heads x head_dim x dtype bytes (SmolLM2-135M in float32: 45 KiB, so the default
+    32 x 1024 tokens is 1.4 GiB). Raise it for long prompts or outputs (a rising
+    batchd_preemptions_total says so); lower it to start faster and use less memory."""
 
     kv_memory_fraction: float = 0.5
-    """Share of available memory the KV pool may take when the runner sizes it."""
+    """Most of available memory (Linux: MemAvailable; macOS: Metal's recommended working
+    set) the automatically sized pool may take, as a fraction: a cap, not a target."""
 
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks across steps so running decodes never stall. When off,
@@ -99,6 +114,8 @@ class EngineConfig:
         _require("block_size", self.block_size, _positive_int(self.block_size), ">= 1")
         blocks = self.num_kv_blocks
         _require("num_kv_blocks", blocks, blocks is None or _positive_int(blocks), "None or >= 1")
+        per_seq = self.kv_tokens_per_seq
+        _require("kv_tokens_per_seq", per_seq, _positive_int(per_seq), ">= 1")
         fraction = self.kv_memory_fraction
         _require("kv_memory_fraction", fraction, 0 < fraction <= 1, "in (0, 1]")
         _require("aging_rate", self.aging_rate, self.aging_rate >= 0, ">= 0")
@@ -107,6 +124,16 @@ class EngineConfig:
         _require(
             "dtype", self.dtype, self.dtype is None or self.dtype in DTYPES, f"one of {DTYPES}"
         )
+
+    def room(self, *, held: int, queue: int) -> int:
+        """The one capacity rule: how many more sequences a caller may hand the engine.
+
+        A running slot for each of max_num_seqs, plus ``queue`` more kept waiting so
+        that a slot that frees is refilled at once rather than after the caller's next
+        read, less the ``held`` sequences handed over (or about to be) and not yet
+        ended. A request of n samples holds n. Negative when more are held.
+        """
+        return self.max_num_seqs + queue - held
 
 
 def _positive_int(value: object) -> bool:

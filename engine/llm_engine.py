@@ -28,6 +28,7 @@ import numpy as np
 from batchd.engine.config import EngineConfig
 from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.exceptions import InvalidRequest
+from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.kv_pool import KVPool, size_pool
 from batchd.engine.forward.model_runner import ModelRunner
 from batchd.engine.logits_processors import PENALTY_CONTEXT
@@ -61,15 +62,22 @@ class LLMEngine:
         self.max_model_len = (
             config.max_model_len or loaded.spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         )
-        num_blocks = config.num_kv_blocks or size_pool(
+        num_blocks = size_pool(
             loaded.spec,
             block_size=config.block_size,
             memory_fraction=config.kv_memory_fraction,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            tokens_per_seq=config.kv_tokens_per_seq,
+            num_blocks=config.num_kv_blocks,
         )
         self.pool = KVPool(loaded.spec, num_blocks=num_blocks, block_size=config.block_size)
-        self.runner = ModelRunner(loaded.model, loaded.spec, self.pool)
+        # The specialised runner for the families it covers, mlx-lm's own forward otherwise.
+        self.runner: ModelRunner | GenericRunner = (
+            GenericRunner(loaded.model, loaded.spec, self.pool)
+            if loaded.spec.generic
+            else ModelRunner(loaded.model, loaded.spec, self.pool)
+        )
         self.scheduler = Scheduler(
             config,
             num_blocks=num_blocks,
@@ -81,8 +89,11 @@ class LLMEngine:
             self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids
         )
         self.last_step_stats: StepStats = StepStats(step=0)
-        self._requests: dict[str, RequestState] = {}
-        # request id -> its prompt's logprobs so far (requests that asked, until delivered)
+        # request id -> its live samples by sample index (insertion order: oldest first)
+        self._live: dict[str, dict[int, Seq]] = {}
+        # sequence id -> the output side of that sample
+        self._states: dict[str, RequestState] = {}
+        # sequence id -> its prompt's logprobs so far (samples that asked, until delivered)
         self._prompt_logprobs: dict[str, list[float]] = {}
         self._num_steps = 0
         self._rng = random.Random()
@@ -91,26 +102,19 @@ class LLMEngine:
     def from_pretrained(
         cls, path_or_repo: str | Path, config: EngineConfig | None = None
     ) -> LLMEngine:
-        """Load a local model directory or hub id (llama, mistral, qwen2, qwen3)."""
+        """Load a local model directory or hub id (any architecture mlx-lm serves whose
+        layers keep attention K/V; see batchd.engine.models.loader)."""
         return cls(load(path_or_repo, dtype=config.dtype if config else None), config)
 
     # -- requests --------------------------------------------------------------------------
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._requests)
+        """Requests with a live sample."""
+        return len(self._live)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
-
-    def capacity(self) -> int:
-        """How many more requests to hand over now: free running slots plus a short queue
-        (half the running cap) so a finished slot is refilled without waiting for intake."""
-        cap = self.config.max_num_seqs + self.config.max_num_seqs // 2
-        return max(0, cap - len(self._requests))
-
-    def can_admit(self, n: int = 1) -> bool:
-        return self.capacity() >= n
+        return bool(self._live)
 
     def add_request(
         self,
@@ -122,8 +126,8 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         resume_output_token_ids: Sequence[int] = (),
-        follows: str | None = None,
-    ) -> str | None:
+        sample: int = 0,
+    ) -> FinishReason | None:
         """Queue a request given exactly one of prompt / prompt_token_ids / messages.
 
         ``resume_output_token_ids`` are outputs a previous run of the same request
@@ -132,19 +136,23 @@ class LLMEngine:
         next position, and the text that run still held back (half a character,
         a possible start of a stop string) comes with the next output, so the
         texts and tokens match an uninterrupted run. Returns None once queued, or
-        the finish reason ("stop", "length") when those outputs already end the
+        the finish reason (stop, length) when those outputs already end the
         request: then nothing is queued. Raises InvalidRequest on bad input, and
-        ValueError for an id already running (the caller's bookkeeping, not the request).
+        ValueError for a sample already running (the caller's bookkeeping, not the
+        request).
 
-        ``follows`` names a live request with the same prompt (another sample of it,
-        as a job with n > 1 makes): this one is admitted only once that one has
-        computed the full KV blocks of their common prefix, which it then takes from
-        the prefix cache instead of computing them again. Ignored with prefix
-        caching off or when that request is not live.
+        ``sample`` > 0 adds another sample of the request (one of its n sequences: a
+        job with ``n`` > 1) with the same prompt, its own ``params`` (its own seed)
+        and its own resumed outputs. While an earlier sample of the request is live,
+        the new one is admitted only once that one has computed the full KV blocks of
+        their common prefix, and takes them from the prefix cache instead of
+        computing them again (with prefix caching on). Outputs name their sample
+        (``RequestOutput.sample``); ``abort`` drops every sample of the request.
         """
         params = params or SamplingParams()
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already running")
+        live = self._live.get(request_id, {})
+        if sample in live:
+            raise ValueError(f"request {request_id!r} sample {sample} is already running")
         ids = encode_prompt(
             self.tokenizer,
             request_id,
@@ -176,23 +184,34 @@ class LLMEngine:
             if finished is not None:
                 return finished
         remaining = dataclasses.replace(params, max_tokens=state.max_outputs - len(resumed))
-        seq = Seq(request_id, ids + resumed, remaining, priority=priority)
-        leader = None if follows is None else self.scheduler.get(follows)
+        # The scheduler's key: unique per (request, sample), never read back.
+        seq = Seq(
+            f"{request_id}/{sample}",
+            ids + resumed,
+            remaining,
+            priority=priority,
+            request_id=request_id,
+            sample=sample,
+        )
+        leader = next(iter(live.values()), None)
         if leader is not None and self.config.enable_prefix_caching:
             seq.follow(leader, block_size=self.config.block_size)
         self.scheduler.add(seq)
-        self._requests[request_id] = state
+        self._live.setdefault(request_id, {})[sample] = seq
+        self._states[seq.seq_id] = state
         if params.prompt_logprobs:
-            self._prompt_logprobs[request_id] = [0.0] * (seq.num_prompt_tokens - 1)
+            self._prompt_logprobs[seq.seq_id] = [0.0] * (seq.num_prompt_tokens - 1)
         return None
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request now, freeing its KV blocks; False if it was not live."""
-        self._prompt_logprobs.pop(request_id, None)
-        if self._requests.pop(request_id, None) is None:
-            return False
-        self.scheduler.abort(request_id)
-        return True
+        """Drop every sample of a request now, freeing their KV blocks; False if none
+        was live."""
+        samples = self._live.pop(request_id, {})
+        for seq in samples.values():
+            self._prompt_logprobs.pop(seq.seq_id, None)
+            del self._states[seq.seq_id]
+            self.scheduler.abort(seq.seq_id)
+        return bool(samples)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -232,7 +251,7 @@ class LLMEngine:
             for i, chunk in enumerate(sampling):
                 outputs.append(
                     self._output(
-                        chunk.seq.seq_id,
+                        chunk.seq,
                         samples.token_ids[i],
                         samples.logprobs[i],
                         samples.top_logprobs[i],
@@ -258,7 +277,7 @@ class LLMEngine:
             else:
                 self.add_request(rid, prompt_token_ids=prompt, params=p)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
-        while any(rid in self._requests for rid in ids):
+        while any(rid in self._live for rid in ids):
             for out in self.step():
                 if out.request_id in results and out.error is None:
                     results[out.request_id].append(out.token_id)
@@ -287,16 +306,16 @@ class LLMEngine:
         return targets
 
     def _grammar_masks(self, sampling: Sequence[ScheduledChunk]) -> dict[str, np.ndarray]:
-        """The allowed tokens of every constrained row of this step, by request id."""
-        ids = [c.seq.seq_id for c in sampling if self._requests[c.seq.seq_id].matcher]
+        """The allowed tokens of every constrained row of this step, by sequence id."""
+        ids = [c.seq.seq_id for c in sampling if self._states[c.seq.seq_id].matcher]
         if not ids:
             return {}
-        matchers = [self._requests[i].matcher for i in ids]
+        matchers = [self._states[i].matcher for i in ids]
         masks = self.grammar_tokenizer.masks([m for m in matchers if m is not None])
         return dict(zip(ids, masks, strict=True))
 
     def _sample_row(self, seq: Seq, allowed: np.ndarray | None) -> SampleRow:
-        state = self._requests[seq.seq_id]
+        state = self._states[seq.seq_id]
         recent: Sequence[int] = ()
         if state.params.penalises_recent:
             recent = seq.tokens(max(0, seq.num_tokens - PENALTY_CONTEXT), seq.num_tokens)
@@ -306,24 +325,28 @@ class LLMEngine:
 
     def _output(
         self,
-        request_id: str,
+        seq: Seq,
         token_id: int,
         logprob: float,
         top: list[tuple[int, float]] | None,
     ) -> RequestOutput:
-        state = self._requests[request_id]
+        state = self._states[seq.seq_id]
         index = state.num_outputs
         error = None
         try:
             verdict = state.on_token(token_id)
         except InvalidRequest as exc:  # its grammar failed (an llguidance limit): it alone ends
-            error = f"request {request_id!r}: {exc}"
+            error = f"request {seq.request_id!r}: {exc}"
             verdict = TokenVerdict("", FinishReason.error)
         if verdict.finish_reason is not None:
-            self.scheduler.finish(request_id, verdict.finish_reason)
-            del self._requests[request_id]
+            self.scheduler.finish(seq.seq_id, verdict.finish_reason)
+            del self._states[seq.seq_id]
+            samples = self._live[seq.request_id]
+            del samples[seq.sample]
+            if not samples:
+                del self._live[seq.request_id]
         return RequestOutput(
-            request_id=request_id,
+            request_id=seq.request_id,
             token_id=token_id,
             text=verdict.text,
             logprob=logprob,
@@ -332,7 +355,8 @@ class LLMEngine:
             finish_reason=verdict.finish_reason,
             top_logprobs=top,
             error=error,
-            prompt_logprobs=self._prompt_logprobs.pop(request_id, None),
+            prompt_logprobs=self._prompt_logprobs.pop(seq.seq_id, None),
+            sample=seq.sample,
         )
 
     def _stats(
@@ -356,13 +380,14 @@ class LLMEngine:
             kv_blocks_total=bm.num_blocks,
             prefix_cache_hit_rate=bm.hit_rate,
             num_preemptions_total=sched.num_preemptions,
-            preempted=[s.seq_id for s in scheduled.preempted],
+            preempted=[s.request_id for s in scheduled.preempted],
             chunks=[
                 ChunkStat(
-                    c.seq.seq_id,
+                    c.seq.request_id,
                     ChunkKind.decode if c.is_decode else ChunkKind.prefill,
                     c.start,
                     c.num_tokens,
+                    sample=c.seq.sample,
                 )
                 for c in scheduled.chunks
             ],

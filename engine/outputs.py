@@ -1,4 +1,8 @@
-"""What the engine hands back: one RequestOutput per new token, StepStats per step."""
+"""What the engine hands back: one RequestOutput per new token, StepStats per step.
+
+These are the engine's whole output vocabulary, and plain data (no MLX): a caller such
+as the daemon takes them as they are rather than copying them into types of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from batchd.engine.scheduling.sequence import FinishReason
+
+__all__ = ["ChunkKind", "ChunkStat", "FinishReason", "RequestOutput", "StepStats"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,9 @@ class RequestOutput:
     then ``token_id`` is the refused token, not an output).
     ``prompt_logprobs``, on the first output of a request that asked for them, holds
     for each prompt token after the first its log-probability given the tokens
-    before it (raw model logits, float32 log-softmax).
+    before it (raw model logits, float32 log-softmax). ``sample`` is the request's
+    sample the token belongs to (0 unless it was added with several, see
+    ``LLMEngine.add_request``); ``finish_reason`` ends that sample only.
     """
 
     request_id: str
@@ -38,6 +46,7 @@ class RequestOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     prompt_logprobs: list[float] | None = None
+    sample: int = 0
 
 
 class ChunkKind(str, Enum):
@@ -47,12 +56,14 @@ class ChunkKind(str, Enum):
 
 @dataclass(frozen=True)
 class ChunkStat:
-    """One entry of a step's packed batch: a decode, or a prefill chunk of n tokens."""
+    """One entry of a step's packed batch: a decode, or a prefill chunk of n tokens, of
+    sample ``sample`` of a request."""
 
     request_id: str
     kind: ChunkKind
     start: int
     num_tokens: int
+    sample: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,3 +86,8 @@ class StepStats:
     num_preemptions_total: int = 0
     preempted: list[str] = field(default_factory=list)
     chunks: list[ChunkStat] = field(default_factory=list)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV pool's blocks in use, 0..1."""
+        return self.kv_blocks_used / (self.kv_blocks_total or 1)

@@ -7,7 +7,8 @@ the detokenizer and the stop-string filter then stand exactly where an
 uninterrupted run stood, held-back text included, so the next output carries
 that text and a stop string spanning the crash point is still found. A
 constrained request's grammar matcher is advanced by every token, replayed
-ones included, so a resumed request is masked exactly as it would have been.
+ones included, so a resumed request is masked exactly as it would have been. A grammar's
+end is enforced: its end token stops the row even with ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class RequestState:
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
+        # A grammar ends with an end token (its mask allows one only where the grammar may
+        # end): that ends the row whatever ignore_eos says, and is never emitted as text.
+        self._grammar_ends = eos_token_ids if matcher is not None else frozenset()
         self.matcher = matcher
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
@@ -82,7 +86,7 @@ class RequestState:
         self.output_token_ids.append(token_id)
         if self.matcher is not None:
             self.matcher.consume(token_id)
-        if token_id in self._stop_ids:
+        if token_id in self._stop_ids or token_id in self._grammar_ends:
             return self._emit(self._flush(), FinishReason.stop)
         text = self._stops.push(self._detok.add(token_id))
         if self._stops.stopped:

@@ -86,8 +86,8 @@ class SamplingParams:
     `logprobs` is how many top log-probabilities to return per token (0: none).
     `logit_bias` adds a bias to given token ids; `presence_penalty` and
     `frequency_penalty` subtract from the logits of recent tokens once / per
-    occurrence (mlx-lm's processors, README: Structured output and sampling
-    controls); `min_tokens` forbids the end tokens before that many outputs;
+    occurrence (mlx-lm's processors, docs/jobs.md: Sampling); `min_tokens`
+    forbids the end tokens before that many outputs;
     `constraint` restricts the output to a grammar (JSON schema, regex, ...).
     `prompt_logprobs` asks for the log-probability of each prompt token given the
     ones before it (the model's raw logits: no processor applies to the prompt); the

@@ -3,7 +3,8 @@
 >>> client = AsyncClient("redis://127.0.0.1:6379/0")
 >>> job = await client.submit(prompt="Hello", max_tokens=32)
 >>> async for event in job.stream():
-...     print(event.text, end="", flush=True)
+...     if not event.final:  # the final event carries the whole text
+...         print(event.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         await self.aclose()
 
     async def submit_request(
-        self, job: JobLike, *, queue: str | None = None, idempotent: bool = False
+        self,
+        job: JobLike,
+        *,
+        queue: str | None = None,
+        idempotent: bool = False,
+        key_id: str | None = None,
     ) -> AsyncJobHandle:
-        plan = self.plan_submit(job, queue)
+        plan = self.plan_submit(job, queue, key_id)
         reply = await self._submit(keys=plan.keys, args=plan.args)
-        return AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent))
+        return AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
 
     async def submit_many(
         self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False

@@ -13,12 +13,13 @@ from typing import Any, Generic, TypeVar
 from batchd.config.limits import LimitSettings
 from batchd.producers.errors import JobNotFound, ValidationError
 from batchd.producers.follow import Follower
-from batchd.producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name
+from batchd.producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name, lane
 from batchd.producers.schema import (
     JobRequest,
     JobState,
     JobStatus,
     encode_job,
+    job_seed,
     new_job_id,
     now,
     validate_job,
@@ -117,8 +118,15 @@ class ClientBase(ABC, Generic[SubmittedT]):
         return self.submit_request(job, queue=queue, idempotent=idempotent)
 
     @abstractmethod
-    def submit_request(self, job: JobLike, *, queue: str | None, idempotent: bool) -> SubmittedT:
-        """Enqueue a ready JobRequest (or its dict); same rules as :meth:`submit`."""
+    def submit_request(
+        self, job: JobLike, *, queue: str | None, idempotent: bool, key_id: str | None = None
+    ) -> SubmittedT:
+        """Enqueue a ready JobRequest (or its dict); same rules as :meth:`submit`.
+
+        ``key_id`` (the gateway's) is stored on the job's status hash, and an idempotent
+        submit attaches only to a job of the same ``key_id``: another's raises
+        ValidationError on ``id``, so no key can read or cancel another's job by id.
+        """
 
     def coerce_request(self, job: JobLike) -> JobRequest:
         """A JobRequest (dict or model) validated against the limits, with an id."""
@@ -126,14 +134,17 @@ class ClientBase(ABC, Generic[SubmittedT]):
         data.setdefault("id", None)
         if data["id"] is None:
             data["id"] = new_job_id()
+        if data.get("seed") is None and isinstance(data["id"], str):
+            # Every job samples as if seeded, so a re-run continues the same text.
+            data["seed"] = job_seed(data["id"])
         return validate_job(data, self.limits)
 
-    def plan_submit(self, job: JobLike, queue: str | None) -> SubmitPlan:
+    def plan_submit(self, job: JobLike, queue: str | None, key_id: str | None = None) -> SubmitPlan:
         """The submit script call of a submit_request() call."""
         request = self.coerce_request(job)
         assert request.id is not None
-        name = self.queue_name(queue)
-        status = self.initial_status(name)
+        name = lane(self.queue_name(queue), request.priority)
+        status = self.initial_status(name, key_id)
         return SubmitPlan.make(self.keys, request.id, name, encode_job(request), status)
 
     def plan_submit_many(
@@ -142,6 +153,7 @@ class ClientBase(ABC, Generic[SubmittedT]):
         """The one script call of a submit_many() call; every job is validated (and given
         an id) before anything is sent. Raises ValidationError naming the job."""
         payloads: dict[str, bytes] = {}
+        lowest = 1  # the priority lane when every job has priority > 0
         for index, job in enumerate(jobs):
             if len(payloads) == MAX_SUBMIT_MANY:
                 raise ValidationError(
@@ -157,9 +169,10 @@ class ClientBase(ABC, Generic[SubmittedT]):
             if job_id in payloads:
                 raise ValidationError("id", f"job {job_id} appears twice in one call", value=job_id)
             payloads[job_id] = encode_job(request)
+            lowest = min(lowest, request.priority)
         if not payloads:
             raise ValidationError("jobs", "no job to submit")
-        name = self.queue_name(queue)
+        name = lane(self.queue_name(queue), lowest)
         return SubmitManyPlan.make(
             self.keys, list(payloads.items()), name, self.initial_status(name), attach=attach
         )
@@ -172,18 +185,28 @@ class ClientBase(ABC, Generic[SubmittedT]):
             raise self.duplicate(*clash)
         return [(job_id, plan.queue) for job_id in plan.job_ids]
 
-    def check_submitted(self, plan: SubmitPlan, reply: Any, idempotent: bool) -> tuple[str, str]:
+    def check_submitted(
+        self, plan: SubmitPlan, reply: Any, idempotent: bool, key_id: str | None = None
+    ) -> tuple[str, str]:
         """The job id and queue of a submit that went through; raises ValidationError on
-        ``id`` when the job existed before, unless ``idempotent``."""
-        if not plan.enqueued(reply) and not idempotent:
+        ``id`` when the job existed before, unless ``idempotent`` and (for a ``key_id``)
+        the job is that key's."""
+        if plan.enqueued(reply):
+            return plan.job_id, plan.queue
+        if not idempotent:
             raise self.duplicate(plan.job_id, plan.existing_state(reply))
+        if key_id is not None and plan.existing_key_id(reply) != key_id:
+            raise ValidationError(
+                "id", f"job {plan.job_id} exists and is not this key's", value=plan.job_id
+            )
         return plan.job_id, plan.queue
 
     def queue_name(self, queue: str | None) -> str:
         return self.queue if queue is None else check_name("queue", queue)
 
-    def initial_status(self, queue: str) -> dict[Any, Any]:
-        return JobStatus(state=JobState.queued, queue=queue, queued_at=now()).to_hash()
+    def initial_status(self, queue: str, key_id: str | None = None) -> dict[Any, Any]:
+        status = JobStatus(state=JobState.queued, queue=queue, queued_at=now(), key_id=key_id)
+        return status.to_hash()
 
     def duplicate(self, job_id: str, state: bytes | str | None) -> ValidationError:
         shown = state.decode() if isinstance(state, bytes) else state

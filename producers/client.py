@@ -3,7 +3,8 @@
 >>> client = Client("redis://127.0.0.1:6379/0")
 >>> job = client.submit(prompt="Hello", max_tokens=32)
 >>> for event in job.stream():
-...     print(event.text, end="", flush=True)
+...     if not event.final:  # the final event carries the whole text
+...         print(event.text, end="", flush=True)
 >>> job.result(timeout=60).text
 """
 
@@ -49,11 +50,16 @@ class Client(ClientBase["JobHandle"]):
         self.close()
 
     def submit_request(
-        self, job: JobLike, *, queue: str | None = None, idempotent: bool = False
+        self,
+        job: JobLike,
+        *,
+        queue: str | None = None,
+        idempotent: bool = False,
+        key_id: str | None = None,
     ) -> JobHandle:
-        plan = self.plan_submit(job, queue)
+        plan = self.plan_submit(job, queue, key_id)
         reply = self._submit(keys=plan.keys, args=plan.args)
-        return JobHandle(self, *self.check_submitted(plan, reply, idempotent))
+        return JobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
 
     def submit_many(
         self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False

@@ -17,6 +17,11 @@ class ValidationError(BatchdError, ValueError):
         super().__init__(f"{field}: {message}" if field else message)
 
 
+class TooComplex(ValidationError):
+    """A value (a response_format's JSON schema) is nested too deep or holds too many
+    values to be validated safely; refused before any validator reads it."""
+
+
 class JobFailed(BatchdError):
     """The job ended without a result (error, cancelled or expired)."""
 
@@ -59,3 +64,8 @@ class BulkBusy(BatchdError):
     def __init__(self, path: str) -> None:
         self.path = path
         super().__init__(f"another bulk run is writing {path}")
+
+
+class UnsafePath(ValidationError):
+    """A bulk run named a file it may not touch: not one plain name inside the worker's
+    files folder, a link, not a regular file, or an output batchd did not create."""

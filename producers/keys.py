@@ -46,6 +46,24 @@ def is_name(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _NAME.fullmatch(value) is not None
 
 
+# A queue's priority lane: the stream a job with priority > 0 is added to, read before
+# the queue itself, so priority reaches past any backlog (docs/durability.md).
+PRIORITY_LANE_SUFFIX = ".priority"
+
+
+def lane(queue: str, priority: int) -> str:
+    """The queue name a job of ``priority`` is added to: ``queue``'s priority lane for a
+    priority above 0 (when the lane's name is valid), else ``queue``."""
+    name = f"{queue}{PRIORITY_LANE_SUFFIX}"
+    return name if priority > 0 and is_name(name) else queue
+
+
+def lanes(queues: list[str]) -> list[str]:
+    """The queue names a daemon serving ``queues`` reads, priority lanes first."""
+    high = [lane(queue, 1) for queue in queues]
+    return [name for name in high if name not in queues] + list(queues)
+
+
 def check_name(kind: str, value: str) -> str:
     """``value`` if it is a valid job id or queue name, else ValidationError naming ``kind``."""
     if not is_name(value):

@@ -44,7 +44,7 @@ from pydantic import (
 from pydantic import ValidationError as PydanticValidationError
 
 from batchd.config.limits import NAME_PATTERN, LimitSettings
-from batchd.producers.errors import ValidationError
+from batchd.producers.errors import TooComplex, ValidationError
 
 JOB_ID_PATTERN = NAME_PATTERN
 INT64_MAX = 2**63 - 1
@@ -110,6 +110,11 @@ class Message(_StrictTypes):
 
 MAX_SEQUENCES = 16
 MAX_GRAMMAR_CHARS = 65536
+# A json_schema is walked (without recursion) against these before anything else reads it:
+# orjson, llguidance and pydantic each have a recursion limit of their own, and hitting
+# one is a TypeError or a crash, not a refusal naming the field.
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_NODES = 20_000
 MAX_LOGIT_BIAS_ENTRIES = 300
 # response_format type -> the field that holds its source
 _GRAMMAR_FIELD = {
@@ -126,7 +131,7 @@ def _is_token_id(text: str) -> bool:
 
 
 class ResponseFormat(_StrictTypes):
-    """Structured output: the job's text is held to a grammar (README: Structured output).
+    """Structured output: the job's text is held to a grammar (docs/jobs.md: Structured output).
 
     ``json_object`` (any JSON object, no other field), ``json_schema`` (the schema in
     ``json_schema``), ``regex`` (Rust regex syntax, in ``regex``), ``lark`` or ``gbnf``
@@ -141,6 +146,17 @@ class ResponseFormat(_StrictTypes):
     grammar: str | None = Field(
         None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar (types lark, gbnf)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_schema(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "json_schema" in data:
+            problem = json_bounds_problem(
+                data["json_schema"], max_depth=MAX_SCHEMA_DEPTH, max_nodes=MAX_SCHEMA_NODES
+            )
+            if problem:
+                raise _TooComplex("response_format.json_schema", problem)
+        return data
 
     @model_validator(mode="after")
     def _one_valid_grammar(self) -> ResponseFormat:
@@ -201,7 +217,8 @@ class JobRequest(_StrictTypes):
         None,
         ge=0,
         le=INT64_MAX,
-        description="Makes sampling reproducible, also across daemon restarts.",
+        description="Makes sampling reproducible, also across daemon restarts; when absent, "
+        "job_seed(id) is used (every job samples as if seeded).",
     )
     stop: list[StopString] = Field(
         default_factory=list, max_length=16, description="Stop strings (not emitted)."
@@ -221,8 +238,8 @@ class JobRequest(_StrictTypes):
         description="Sequences generated from the prompt (its KV computed once); sequence i "
         "samples with sequence_seed(seed, i); n x max_tokens is held to the max_tokens cap.",
     )
-    # Structured output and the controls around it (README: Structured output and sampling
-    # controls); bounds as OpenAI's.
+    # Structured output and the controls around it (docs/jobs.md: Sampling, Structured
+    # output); bounds as OpenAI's.
     presence_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="Subtracted once from each of the last 20 tokens."
     )
@@ -356,6 +373,29 @@ class _FieldError(ValueError):
         super().__init__(message)
 
 
+class _TooComplex(_FieldError):
+    """A value nested too deep or too large to validate safely."""
+
+
+def json_bounds_problem(value: Any, *, max_depth: int, max_nodes: int) -> str | None:
+    """Why ``value`` (decoded JSON) is too deep or too large, or None; iterative, so no
+    depth of input can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    nodes = 0
+    while stack:
+        item, depth = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            return f"more than {max_nodes} values"
+        if depth > max_depth:
+            return f"nested deeper than {max_depth} levels"
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)
+    return None
+
+
 def _check_limits(job: JobRequest, limits: LimitSettings) -> None:
     if job.max_tokens > limits.max_tokens_cap:
         raise _FieldError("max_tokens", f"{job.max_tokens} exceeds the cap {limits.max_tokens_cap}")
@@ -419,6 +459,8 @@ def _to_validation_error(exc: PydanticValidationError) -> ValidationError:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     original = (err.get("ctx") or {}).get("error")
+    if isinstance(original, _TooComplex):
+        return TooComplex(original.field, str(original))
     if isinstance(original, _FieldError):
         return ValidationError(original.field, str(original))
     if err["type"] == "json_invalid":
@@ -430,6 +472,16 @@ def _to_validation_error(exc: PydanticValidationError) -> ValidationError:
     if more:
         message += f" (and {more} more error{'s' if more > 1 else ''})"
     return ValidationError(loc or "job", message, value=err.get("input"))
+
+
+def job_seed(job_id: str) -> int:
+    """The seed of a job submitted without one: the first 8 bytes of
+    ``blake2b(f"seed:{job_id}", digest_size=8)`` read little-endian, shifted right by one
+    bit (a non-negative int64). A pure function of the id, so every run of the job (a
+    resume after a crash, a re-run after Redis lost its tail) draws the same tokens;
+    a producer that wants fresh randomness submits a new id."""
+    digest = hashlib.blake2b(f"seed:{job_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -566,6 +618,11 @@ class JobStatus(BaseModel):
         None, description="Pickup count fencing the job's writes: only the latest pickup writes."
     )
     owner: str | None = Field(None, description="Consumer name of the pickup holding ``epoch``.")
+    key_id: str | None = Field(
+        None,
+        description="Id (a digest, never the key) of the gateway API key that created the job; "
+        "the gateway reads, streams and cancels only its key's jobs. Unset: a raw producer's.",
+    )
 
     @classmethod
     def from_hash(cls, data: dict[bytes, bytes] | dict[str, str]) -> JobStatus:

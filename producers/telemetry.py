@@ -20,6 +20,8 @@ import orjson
 from batchd.config.secrets import redact
 
 LOG_FORMATS = ("text", "json")
+# The loggers of the ASGI server a gateway runs in: written through batchd's handlers.
+SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Attributes every LogRecord has: whatever else a record carries came from ``extra=``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -74,6 +76,34 @@ def configure_logging(level: str, log_format: str, *, stream: IO[str] | None = N
         JsonFormatter() if log_format == "json" else RedactingFormatter(TEXT_FORMAT)
     )
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+class AccessFields(logging.Filter):
+    """Gives uvicorn's access lines (``'%s - "%s %s HTTP/%s" %d'`` of client, method,
+    path, HTTP version, status) structured fields: ``event`` ``http_request``,
+    ``client``, ``method``, ``path``, ``status``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:
+            client, method, path, _, status = args
+            record.event = "http_request"
+            record.client, record.method, record.path, record.status = client, method, path, status
+        return True
+
+
+def route_server_logs(*, access_log: bool = True) -> None:
+    """uvicorn's log lines through the root handlers (:func:`configure_logging`'s format):
+    its own handlers are dropped, access lines get :class:`AccessFields`, and
+    ``access_log=False`` silences them."""
+    for name in SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, AccessFields) for f in access.filters):
+        access.addFilter(AccessFields())
+    access.disabled = not access_log
 
 
 def serve_metrics(port: int, *, addr: str, registry: Any) -> None:

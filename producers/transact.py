@@ -43,14 +43,14 @@ end
 """
 
 # KEYS[1] status hash, KEYS[2] queue stream. ARGV[1] submit token, ARGV[2] job JSON,
-# then the initial status field/value pairs. Returns {'ok'}, {'exists', token, state},
-# or Redis's error when the entry is refused (nothing left written: _ENQUEUE).
+# then the initial status field/value pairs. Returns {'ok'}, {'exists', token, state,
+# key id}, or Redis's error when the entry is refused (nothing left written: _ENQUEUE).
 SUBMIT = (
     _ENQUEUE
     + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local held = redis.call('HMGET', KEYS[1], 'submit_token', 'state')
-  return {'exists', held[1] or '', held[2] or ''}
+  local held = redis.call('HMGET', KEYS[1], 'submit_token', 'state', 'key_id')
+  return {'exists', held[1] or '', held[2] or '', held[3] or ''}
 end
 redis.call('HSET', KEYS[1], 'submit_token', ARGV[1], unpack(ARGV, 3))
 local refused = enqueue(KEYS[1], KEYS[2], ARGV[2])
@@ -137,6 +137,10 @@ class SubmitPlan:
 
     def existing_state(self, reply: Any) -> str | None:
         return _text(reply[2]) or None
+
+    def existing_key_id(self, reply: Any) -> str | None:
+        """The gateway key id that owns the job that existed before (None: a raw producer's)."""
+        return _text(reply[3]) or None if len(reply) > 3 else None
 
 
 @dataclass(frozen=True)

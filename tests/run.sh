@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test command: installs what it needs, then lint, type check and tests.
+# The test command: installs what it needs, then lint, type check, the docs site and tests.
 # Extra arguments go to pytest (e.g. bash tests/run.sh -k scheduler).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../config/bootstrap.sh"
+batchd_install_test_tools
 cd "$BATCHD_ROOT"
 echo "== ruff" >&2
 ruff check .
@@ -11,5 +12,8 @@ echo "== mypy" >&2
 # (it cannot follow setuptools' editable import hook): build/typecheck, see pyproject.toml.
 bash config/typecheck_tree.sh
 mypy
+echo "== docs" >&2
+# The documentation site, strictly: a broken link or anchor fails (mkdocs.yml, docs/).
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 echo "== pytest" >&2
 exec python -m pytest -m "not slow" "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from batchd.daemon.bench.workloads import Request
@@ -10,28 +11,25 @@ from batchd.engine.outputs import StepStats
 
 
 def bench_engine_config(
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    longest_request: int,
-    block_size: int = 16,
-    max_prefill_tokens_with_decodes: int | None = None,
-    prefill_fills_row_tile: bool = True,
+    engine: EngineConfig, *, longest_request: int, max_prefill_tokens_with_decodes: int | None
 ) -> EngineConfig:
-    """The engine's settings for a run: a KV pool that holds every running sequence whole.
+    """batchd's engine options for one run: ``engine`` as given, field by field, with the
+    run's prefill bound (the throughput setting, or the online workloads' latency one)
+    and, where ``engine.num_kv_blocks`` is unset, a KV pool that holds every running
+    sequence whole.
 
-    The pool is sized from the workload, not from free memory, so that the
-    run does the same work on any machine (no preemption), and BatchGenerator
-    (whose caches grow as needed) is not handicapped by comparison.
+    That pool is sized from the workload, not from free memory, so that the run does
+    the same work on any machine (no preemption), and BatchGenerator (whose caches grow
+    as needed) is not handicapped by comparison.
     """
-    blocks_per_seq = -(-longest_request // block_size) + 1
-    return EngineConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+    blocks = engine.num_kv_blocks
+    if blocks is None:
+        blocks_per_seq = -(-longest_request // engine.block_size) + 1
+        blocks = engine.max_num_seqs * blocks_per_seq + 64
+    return dataclasses.replace(
+        engine,
         max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-        prefill_fills_row_tile=prefill_fills_row_tile,
-        block_size=block_size,
-        num_kv_blocks=max_num_seqs * blocks_per_seq + 64,
+        num_kv_blocks=blocks,
     )
 
 

@@ -191,11 +191,9 @@ def _daemon_env(
     # Sized exactly as the in-process engine's pool (systems.Systems._step_system).
     longest = longest_request(workload, systems.warmup_for(workload))
     config = bench_engine_config(
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
+        s.engine,
         longest_request=longest,
-        max_prefill_tokens_with_decodes=s.max_prefill_tokens_with_decodes,
-        prefill_fills_row_tile=s.prefill_fills_row_tile,
+        max_prefill_tokens_with_decodes=s.engine.max_prefill_tokens_with_decodes,
     )
     # Every engine option, so both engines match field by field.
     engine_env = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from batchd.daemon.bench.sweep import sweep_lines
 from batchd.daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
 from batchd.daemon.bench.workloads import LATENCY_WORKLOADS, THROUGHPUT_WORKLOADS
+from batchd.engine.config import EngineConfig
 
 JSON_NAME, MARKDOWN_NAME, CHART_NAME = "report.json", "report.md", "report.png"
 _COLORS = {BATCHD: "#1f77b4", BATCHGEN: "#ff7f0e", "static": "#2ca02c", "sequential": "#7f7f7f"}
@@ -36,6 +38,29 @@ def _throughput_results(report: dict[str, Any]) -> dict[str, Any]:
     return {n: r for n, r in report["workloads"].items() if n in THROUGHPUT_WORKLOADS}
 
 
+# Named in the settings line already, or set by the bench for each run.
+_SHOWN = {
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_prefill_tokens_with_decodes",
+    "prefill_fills_row_tile",
+    "num_kv_blocks",
+}
+
+
+def _other_engine_options(settings: dict[str, Any]) -> str:
+    """batchd's engine options set away from their defaults (block size, prefix caching,
+    dtype...), for the settings line; reports from before they were recorded have none."""
+    engine = settings.get("engine", {})
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    changed = [
+        f"{name} {value}"
+        for name, value in engine.items()
+        if name not in _SHOWN and name in defaults and value != defaults[name]
+    ]
+    return "".join(f"{part}, " for part in changed)
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Settings, throughput table (with ratios, MFU and the FLOP limit), latency table."""
     s, m, limit = report["settings"], report["machine"], report["limit"]
@@ -53,7 +78,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Model `{s['model_label']}` ({s['dtype']}), max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, {bound}"
-        f"scale {s['scale']}.",
+        f"{_other_engine_options(s)}scale {s['scale']}.",
         f"Machine: {m['platform']}, {_cpu(m)}{m['cpu_count']} CPUs, "
         f"mlx {m['mlx']} ({m['device']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
         f"matmul {limit['matmul_gflops']} GFLOP/s.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from batchd.daemon.bench.workloads import (
     shared_prefix,
 )
 from batchd.engine.blas import cpu_description, loaded_core, loaded_openblas
+from batchd.engine.config import EngineConfig
 
 WORKLOADS = ("mixed", "shared-prefix", "online", "queue")
 # The systems of each throughput workload. Static batching runs on mixed only: its
@@ -74,14 +76,13 @@ class BenchOptions:
     model_label: str
     workloads: tuple[str, ...]
     scale: Scale
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    # batchd's engine, every option as set (the settings' engine section, --max-num-seqs
+    # on top); per run the bench sets only the prefill bound and, unless given, the pool.
+    engine: EngineConfig
     redis_url: str
     seed: int = 0
     online_load: float = 0.9
-    max_prefill_tokens_with_decodes: int | None = None
     online_max_prefill_tokens_with_decodes: int | None = ONLINE_MAX_PREFILL_TOKENS
-    prefill_fills_row_tile: bool = True
     sweep_bounds: tuple[int | None, ...] = DEFAULT_BOUNDS
     sweep_rounds: int = DEFAULT_ROUNDS
     queue_rounds: int | None = (
@@ -123,13 +124,10 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     systems = Systems(
         SystemSettings(
             model_path=options.model_path,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
+            engine=options.engine,
             scale=options.scale,
             vocab_size=config["vocab_size"],
-            max_prefill_tokens_with_decodes=options.max_prefill_tokens_with_decodes,
             online_max_prefill_tokens_with_decodes=options.online_max_prefill_tokens_with_decodes,
-            prefill_fills_row_tile=options.prefill_fills_row_tile,
         ),
         progress,
     )
@@ -138,13 +136,14 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "model": str(options.model_path),
             "model_label": options.model_label,
             "dtype": config.get("torch_dtype"),
-            "max_num_seqs": options.max_num_seqs,
-            "max_num_batched_tokens": options.max_num_batched_tokens,
-            "max_prefill_tokens_with_decodes": options.max_prefill_tokens_with_decodes,
+            "max_num_seqs": options.engine.max_num_seqs,
+            "max_num_batched_tokens": options.engine.max_num_batched_tokens,
+            "max_prefill_tokens_with_decodes": options.engine.max_prefill_tokens_with_decodes,
             "online_max_prefill_tokens_with_decodes": (
                 options.online_max_prefill_tokens_with_decodes
             ),
-            "prefill_fills_row_tile": options.prefill_fills_row_tile,
+            "prefill_fills_row_tile": options.engine.prefill_fills_row_tile,
+            "engine": dataclasses.asdict(options.engine),
             "scale": options.scale.name,
             "seed": options.seed,
             "workloads": list(options.workloads),

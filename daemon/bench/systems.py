@@ -22,6 +22,7 @@ from batchd.daemon.bench.drive import StepSystem, run_offline, run_timed
 from batchd.daemon.bench.progress import Progress
 from batchd.daemon.bench.stats import Recorder, RunStats, step_profile
 from batchd.daemon.bench.workloads import Scale, Workload, warmup
+from batchd.engine.config import EngineConfig
 from batchd.engine.outputs import StepStats
 
 BATCHD = "batchd"
@@ -44,21 +45,19 @@ class SystemUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SystemSettings:
-    """What every system shares: the model and batchd's batch limits.
+    """What every system shares: the model, and batchd's engine options (whose running
+    cap is also the peers' batch size).
 
-    batchd's prefill bound while decoding differs by run: throughput runs
-    (every request at t=0) use ``max_prefill_tokens_with_decodes``, timed
-    (online) runs the latency setting ``online_max_prefill_tokens_with_decodes``.
+    batchd's prefill bound while decoding differs by run: throughput runs (every
+    request at t=0) use ``engine.max_prefill_tokens_with_decodes``, timed (online)
+    runs the latency setting ``online_max_prefill_tokens_with_decodes``.
     """
 
     model_path: Path
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    engine: EngineConfig
     scale: Scale
     vocab_size: int
-    max_prefill_tokens_with_decodes: int | None = None
     online_max_prefill_tokens_with_decodes: int | None = None
-    prefill_fills_row_tile: bool = True
 
 
 class Systems:
@@ -82,7 +81,7 @@ class Systems:
     ) -> StepSystem:
         if key == BATCHGEN:
             return peers.BatchGeneratorSystem(
-                self.model, completion_batch_size=self.settings.max_num_seqs
+                self.model, completion_batch_size=self.settings.engine.max_num_seqs
             )
         reason = self.batchd_unavailable()
         if reason is not None:
@@ -90,11 +89,9 @@ class Systems:
         from batchd.daemon.bench.engine_system import BatchdSystem, bench_engine_config
 
         config = bench_engine_config(
-            max_num_seqs=self.settings.max_num_seqs,
-            max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            self.settings.engine,
             longest_request=longest_request,
             max_prefill_tokens_with_decodes=prefill_bound,
-            prefill_fills_row_tile=self.settings.prefill_fills_row_tile,
         )
         return BatchdSystem(self.settings.model_path, config)
 
@@ -118,7 +115,7 @@ class Systems:
             system = self._step_system(
                 key,
                 longest_request(workload, warm),
-                prefill_bound=self.settings.max_prefill_tokens_with_decodes,
+                prefill_bound=self.settings.engine.max_prefill_tokens_with_decodes,
             )
 
             def run(w: Workload, r: Recorder) -> RunStats:
@@ -132,7 +129,8 @@ class Systems:
         else:
 
             def run(w: Workload, r: Recorder) -> RunStats:
-                return peers.run_static(self.model, w, r, batch_size=self.settings.max_num_seqs)
+                batch = self.settings.engine.max_num_seqs
+                return peers.run_static(self.model, w, r, batch_size=batch)
 
         run(warm, self._recorder(label, len(warm.requests), warmup=True))
         stats = run(workload, self._recorder(label, len(workload.requests)))

@@ -27,7 +27,6 @@ from batchd.daemon.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVING = b"serving queues"
 
 
@@ -126,7 +125,11 @@ class Cluster:
         with open(slot.log_path, "ab") as out:
             out.write(f"--- start {slot.starts}\n".encode())
             slot.proc = subprocess.Popen(
-                args, cwd=ROOT, env=self._environment(), stdout=out, stderr=subprocess.STDOUT
+                args,
+                cwd=self.workdir,
+                env=self._environment(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         slot.starts += 1
         slot.expecting_exit = False

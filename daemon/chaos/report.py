@@ -24,6 +24,8 @@ def render(result: ChaosResult, *, command: str) -> str:
     rows += [(name, _zero(count)) for name, count in verdict.zeros().items()]
     rows += [
         ("keys left after result TTLs expired", _zero(result.keys_left)),
+        ("jobs still queued or running after the run", _zero(result.stuck_running)),
+        ("per-job keys without a TTL", _zero(result.keys_without_ttl)),
         ("jobs/s (under faults)", f"{rate:.1f}"),
         ("reference run (in-process, no faults)", f"{result.reference_seconds:.1f} s"),
         ("run time", f"{result.seconds:.1f} s"),

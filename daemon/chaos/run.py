@@ -45,10 +45,20 @@ class ChaosResult:
     keys_left: int
     other_keys: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # the run itself broke
+    # After the result TTLs: status hashes still queued or running (a job no daemon will
+    # end), and per-job keys with no TTL at all (they would stay forever).
+    stuck_running: int = 0
+    keys_without_ttl: int = 0
 
     @property
     def passed(self) -> bool:
-        return self.verdict.passed and self.keys_left == 0 and not self.failures
+        return (
+            self.verdict.passed
+            and self.keys_left == 0
+            and self.stuck_running == 0
+            and self.keys_without_ttl == 0
+            and not self.failures
+        )
 
 
 def chaos_settings(options: ChaosOptions, engine: EngineConfig) -> Settings:
@@ -174,6 +184,7 @@ def run_chaos(
         progress(f"waiting {options.result_ttl_s}s for the results to expire")
         time.sleep(options.result_ttl_s + 2)
         keys_left, other_keys = _keys_left(admin)
+        stuck_running, keys_without_ttl = _left_forever(admin, verdict)
         admin.close()
     finally:
         stop_load()
@@ -188,6 +199,8 @@ def run_chaos(
         keys_left,
         other_keys,
         failures,
+        stuck_running,
+        keys_without_ttl,
     )
 
 
@@ -241,6 +254,22 @@ def _keys_left(client: redis.Redis) -> tuple[int, list[str]]:
     job_keys = list(client.scan_iter(f"{prefix}*"))
     others = sorted(k.decode() for k in client.scan_iter("*") if not k.startswith(prefix.encode()))
     return len(job_keys), others
+
+
+def _left_forever(client: redis.Redis, verdict: Verdict) -> tuple[int, int]:
+    """Jobs whose status still says queued or running once every result expired, and
+    per-job keys without a TTL; each is named in the findings."""
+    prefix = Keys().job("x")[: -len("x")]
+    stuck = no_ttl = 0
+    for key in client.scan_iter(f"{prefix}*"):
+        name = key.decode(errors="replace")
+        if client.ttl(key) == -1:
+            no_ttl += 1
+            verdict.findings.append(f"{name}: no TTL")
+        if client.type(key) == b"hash" and client.hget(key, "state") in (b"queued", b"running"):
+            stuck += 1
+            verdict.findings.append(f"{name}: still {client.hget(key, 'state')!r}")
+    return stuck, no_ttl
 
 
 def _vocab(model: Path) -> int:

@@ -37,6 +37,10 @@ class Verdict:
     broken_streams: int = 0
     differing_greedy: int = 0
     differing_seeded: int = 0
+    differing_unseeded: int = 0
+    # Jobs not completed whose subscriber read tokens that are not a prefix of the
+    # reference: two runs mixed in what a user read.
+    mixed_runs: int = 0
     wrong_answers: int = 0
     unexpected_dead_letters: int = 0
     unexpected_exits: int = 0
@@ -51,6 +55,8 @@ class Verdict:
             "streams with gaps or duplicates": self.broken_streams,
             "outputs differing from the reference (greedy)": self.differing_greedy,
             "outputs differing from the reference (seeded)": self.differing_seeded,
+            "outputs differing from the reference (unseeded)": self.differing_unseeded,
+            "streams a subscriber read mixing two runs": self.mixed_runs,
             "hostile entries not dead-lettered exactly once": (
                 self.hostile_sent - self.hostile_dead_lettered
             ),
@@ -99,11 +105,18 @@ def _judge_job(
     if job.id in ledger.gaps or not _unbroken(events):
         verdict.broken_streams += 1
         verdict.findings.append(f"{job.id}: delivered stream broken {ledger.gaps.get(job.id, '')}")
+    tokens = _tokens(events)
+    if not events or not events[-1].final or events[-1].finish_reason not in DONE:
+        # Whatever it was given is one run: a prefix of the uninterrupted run's tokens.
+        if tokens != expected[: len(tokens)]:
+            verdict.mixed_runs += 1
+            verdict.findings.append(
+                f"{job.id}: read {tokens[:8]}... mixing runs; expected {expected[:8]}..."
+            )
     if not events or not events[-1].final:
         verdict.lost += 1
         verdict.findings.append(f"{job.id}: no final event after {len(events)} event(s)")
         return
-    tokens = _tokens(events)
     final = events[-1]
     asked = job.cancel is not None and job.cancel is not CancelAt.finished
     verdict.cancel_asked += asked
@@ -114,9 +127,12 @@ def _judge_job(
         right = final.finish_reason in DONE and tokens == expected
         verdict.completed += right
     if not right:
-        seeded = job.payload.get("seed") is not None
-        verdict.differing_seeded += seeded
-        verdict.differing_greedy += not seeded
+        if job.payload.get("seed") is not None:
+            verdict.differing_seeded += 1
+        elif job.payload.get("temperature", 0.0) > 0:
+            verdict.differing_unseeded += 1
+        else:
+            verdict.differing_greedy += 1
         verdict.findings.append(
             f"{job.id}: {final.finish_reason} {final.error or ''} tokens {tokens[:8]}... "
             f"expected {expected[:8]}..."

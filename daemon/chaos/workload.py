@@ -41,7 +41,8 @@ class ChaosJob:
 
 
 def make_jobs(count: int, seed: int, *, vocab: int) -> list[ChaosJob]:
-    """``count`` jobs: short mixed prompts and outputs, half greedy and half seeded."""
+    """``count`` jobs: short mixed prompts and outputs, a third each greedy, seeded and
+    sampled without a seed (which the daemon samples with ``job_seed(id)``)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
@@ -50,8 +51,11 @@ def make_jobs(count: int, seed: int, *, vocab: int) -> list[ChaosJob]:
             "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(2, 48))],
             "max_tokens": rng.randint(2, 24),
         }
-        if rng.random() < 0.5:
-            payload.update(temperature=0.9, top_p=0.95, seed=rng.randrange(2**31))
+        sampling = rng.random()
+        if sampling < 2 / 3:
+            payload.update(temperature=0.9, top_p=0.95)
+        if sampling < 1 / 3:
+            payload.update(seed=rng.randrange(2**31))
         roll = rng.random()
         cancel = None
         if roll < 0.01:

@@ -9,13 +9,16 @@ last line. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
-from batchd.engine.models.registry import MODEL_CACHE, PRESET_NAMES
-from batchd.producers.commands.subcommand import add_command
+from batchd.engine.cache import model_cache
+from batchd.engine.config import EngineConfig
+from batchd.engine.models.registry import PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command, add_model_option
 
 
 def register(sub: Any) -> None:
@@ -27,17 +30,11 @@ def register(sub: Any) -> None:
         help="which workload to run (default: all: the first four; online-sweep runs the "
         "online arrivals at several prefill bounds, see --sweep-bounds)",
     )
-    model = p.add_mutually_exclusive_group()
-    model.add_argument(
-        "--model",
-        metavar="MODEL",
-        help="a model directory (mlx-lm format), a .gguf file or a preset name",
-    )
-    model.add_argument(
-        "--preset",
-        choices=PRESET_NAMES,
-        help=f"a named model (random-weight shapes, or smollm2: the real SmolLM2-135M), "
-        f"built into {MODEL_CACHE}/NAME if absent (default: bench-small)",
+    add_model_option(
+        p,
+        help="a preset (random-weight shapes, or smollm2: the real SmolLM2-135M), built into "
+        f"{model_cache()}/NAME if absent, a model directory (mlx-lm format) or a .gguf file; "
+        "--preset is the same option (default: bench-small)",
     )
     p.add_argument("--out", default="bench-out", metavar="DIR", help="report folder")
     p.add_argument(
@@ -118,15 +115,16 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
     """The model directory and its label; builds or converts a preset if missing."""
     from batchd.engine.models.registry import ensure_preset, resolve_model
 
-    if args.model:
-        path = Path(resolve_model(args.model))
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {args.model}: no config.json in that folder")
-        return path, args.model if args.model in PRESET_NAMES else path.name
-    preset = args.preset or "bench-small"
-    if not (MODEL_CACHE / preset / "config.json").is_file():
-        print(f"[bench] building the {preset} model in {MODEL_CACHE / preset} ...", file=sys.stderr)
-    return ensure_preset(preset), preset
+    name = args.model or "bench-small"
+    if name in PRESET_NAMES:
+        target = model_cache() / name
+        if not (target / "config.json").is_file():
+            print(f"[bench] building the {name} model in {target} ...", file=sys.stderr)
+        return ensure_preset(name), name
+    path = Path(resolve_model(name))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {name}: no config.json in that folder")
+    return path, path.name
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -135,31 +133,27 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     Run batchd's engine and its peers on the same model and seeded requests, side by side, and
     report throughput ratios, latency and model-FLOPs utilisation.
     """
-    try:
-        from batchd.daemon.bench.progress import Progress
-        from batchd.daemon.bench.report import write_report
-        from batchd.daemon.bench.runner import (
-            ONLINE_MAX_PREFILL_TOKENS,
-            WORKLOADS,
-            BenchOptions,
-            run_bench,
-        )
-        from batchd.daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS
-        from batchd.daemon.bench.workloads import SCALES
-    except ImportError as exc:
-        print(
-            f"batchd bench needs the daemon and bench extras "
-            f"(pip install 'batchd[daemon,bench]'): {exc}",
-            file=sys.stderr,
-        )
-        return 2
+    # Without the daemon or bench extra these raise ModuleNotFoundError, which the
+    # dispatcher (batchd.daemon.cli) turns into the install command.
+    from batchd.daemon.bench.progress import Progress
+    from batchd.daemon.bench.report import write_report
+    from batchd.daemon.bench.runner import (
+        ONLINE_MAX_PREFILL_TOKENS,
+        WORKLOADS,
+        BenchOptions,
+        run_bench,
+    )
+    from batchd.daemon.bench.sweep import DEFAULT_BOUNDS, DEFAULT_ROUNDS
+    from batchd.daemon.bench.workloads import SCALES
+
     try:
         model_path, label = resolve_model(args)
     except (OSError, ValueError) as exc:
         print(f"batchd bench: {exc}", file=sys.stderr)
         return 2
     scale = args.scale or ("quick" if args.quick else "full")
-    max_num_seqs = args.max_num_seqs or settings.engine.max_num_seqs
+    engine = bench_engine(args, settings)
+    max_num_seqs = engine.max_num_seqs
     # Absent unless given (argparse.SUPPRESS), so that "none" can mean no bound.
     online_bound = getattr(args, "online_max_prefill_tokens", ONLINE_MAX_PREFILL_TOKENS)
     options = BenchOptions(
@@ -167,19 +161,16 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         model_label=label,
         workloads=WORKLOADS if args.workload == "all" else (args.workload,),
         scale=SCALES[scale],
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+        engine=engine,
         redis_url=settings.redis_url,
         seed=args.seed,
-        max_prefill_tokens_with_decodes=settings.engine.max_prefill_tokens_with_decodes,
         online_max_prefill_tokens_with_decodes=online_bound,
-        prefill_fills_row_tile=settings.engine.prefill_fills_row_tile,
         sweep_bounds=args.sweep_bounds or DEFAULT_BOUNDS,
         sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
         queue_rounds=args.queue_rounds,
         command=(
             f"batchd bench --workload {args.workload} "
-            + (f"--model {args.model}" if args.model else f"--preset {label}")
+            + f"--model {args.model or label}"
             + (" --quick" if scale == "quick" else "")
             + f" --max-num-seqs {max_num_seqs} --seed {args.seed}"
             + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
@@ -192,6 +183,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     print(f"wrote {', '.join(str(p) for p in paths)}")
     print(report["headline"])
     return 0
+
+
+def bench_engine(args: argparse.Namespace, settings: Settings) -> EngineConfig:
+    """batchd's engine options for the run: the settings' engine section, every field
+    (TOML, BATCHD_ENGINE__* variables), with ``--max-num-seqs`` on top (and a step budget
+    that lets that many decode)."""
+    engine = settings.engine
+    if not args.max_num_seqs:
+        return engine
+    budget = max(engine.max_num_batched_tokens, args.max_num_seqs)
+    return dataclasses.replace(
+        engine, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget
+    )
 
 
 def _sweep_options(args: argparse.Namespace) -> str:

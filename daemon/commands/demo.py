@@ -6,21 +6,18 @@ import argparse
 from typing import Any
 
 from batchd.config.settings import Settings
-from batchd.engine.models.registry import MODEL_CACHE, PRESET_NAMES
-from batchd.producers.commands.subcommand import add_command
+from batchd.engine.cache import model_cache
+from batchd.engine.models.registry import PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command, add_model_option
 
 
 def register(sub: Any) -> None:
     p = add_command(sub, "demo", run)
-    model = p.add_mutually_exclusive_group()
-    model.add_argument(
-        "--preset",
-        choices=PRESET_NAMES,
+    add_model_option(
+        p,
         help="smollm2 (default): the real SmolLM2-135M-Instruct; tiny, bench-small, bench-1b: "
-        "random weights",
-    )
-    model.add_argument(
-        "--model", metavar="MODEL", help="any model: an mlx-lm directory, hub id or .gguf file"
+        "random weights; or any model: an mlx-lm directory, hub id or .gguf file; --preset is "
+        "the same option",
     )
     p.add_argument(
         "--show-steps",
@@ -39,7 +36,8 @@ def register(sub: Any) -> None:
         "--model-dir",
         default=None,
         metavar="DIR",
-        help=f"where the preset's model is (prepared there if absent; default: {MODEL_CACHE}/NAME)",
+        help="where the preset's model is (prepared there if absent; "
+        f"default: {model_cache()}/NAME)",
     )
 
 
@@ -47,9 +45,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run a daemon on SmolLM2 and stream answers to a few chat questions.
 
     Uses the configured Redis if it answers, else a private redis-server, else fakeredis;
-    prepares the model in .batchd/models/NAME if absent; submits chat questions of different
-    lengths from producer threads and shows the answers arriving live. --preset tiny: random
-    weights, gibberish text, fast steps.
+    prepares the model in the model cache (see batchd doctor) if absent; submits chat
+    questions of different lengths from producer threads and shows the answers arriving
+    live. --preset tiny: random weights, gibberish text, fast steps.
     """
     from pathlib import Path
 
@@ -59,7 +57,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         settings,
         show_steps=args.show_steps,
         step_ms=args.step_ms,
-        preset=args.preset,
-        model=args.model,
+        # A preset name is built (or converted) into --model-dir; anything else is loaded as
+        # the registry resolves it.
+        preset=args.model if args.model in PRESET_NAMES else None,
+        model=None if args.model in PRESET_NAMES else args.model,
         model_dir=Path(args.model_dir) if args.model_dir else None,
     )

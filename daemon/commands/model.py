@@ -8,16 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
-from batchd.engine.models.registry import PACKAGED, PRESET_NAMES
-from batchd.producers.commands.subcommand import add_command
+from batchd.engine.models.registry import FIXTURE_PRESETS, PACKAGED, PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command, add_model_option
 
 
 def register(sub: Any) -> None:
     p = add_command(sub, "make-model", run)
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
-    source.add_argument("--from-gguf", metavar="FILE", help="a llama-family GGUF file")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the model folder to write")
+    add_model_option(
+        p,
+        help="what to write: a preset (" + ", ".join(PRESET_NAMES) + ") or a llama-family "
+        ".gguf file to convert; --preset is the same option (default: tiny)",
+    )
+    p.add_argument("--from-gguf", metavar="FILE", help="a llama-family GGUF file to convert")
     p.add_argument(
         "--keep-quantized",
         action="store_true",
@@ -25,43 +28,70 @@ def register(sub: Any) -> None:
         help="GGUF: keep quantized weights (default: only where MLX has a GPU; on CPU "
         "float32 decodes 2-3x faster)",
     )
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantize", type=int, metavar="BITS", choices=[4, 8], default=None)
+    p.add_argument(
+        "--arch",
+        default="llama",
+        choices=["llama", "qwen3"],
+        help="architecture of a random-weight model (default: llama)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument(
+        "--quantize",
+        type=int,
+        metavar="BITS",
+        choices=[4, 8],
+        default=None,
+        help="quantize the written weights to 4 or 8 bits (default: keep float)",
+    )
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Write a model directory: a preset (random-weight or smollm2) or a GGUF import.
 
     Write an mlx-lm model directory. Random-weight presets (tiny, bench-small, bench-1b): same
-    seed, same bytes. smollm2: the packaged SmolLM2-135M-Instruct. --from-gguf FILE: convert a
-    llama-family GGUF (F32, F16, Q4_0, Q4_1, Q8_0 tensors; byte-level BPE tokenizer).
+    seed, same bytes. smollm2: the packaged SmolLM2-135M-Instruct. A .gguf file (--model FILE
+    or --from-gguf FILE): convert a llama-family GGUF (F32, F16, Q4_0, Q4_1, Q8_0 tensors;
+    byte-level BPE tokenizer).
     """
+    # Without the daemon extra these raise ModuleNotFoundError, which the dispatcher
+    # (batchd.daemon.cli) turns into the install command.
+    from batchd.engine.models.gguf_convert import convert_gguf
+    from batchd.engine.models.model_fixture import FixtureSpec, make_model
+    from batchd.engine.models.registry import packaged_gguf
+
     try:
-        from batchd.engine.models.gguf_convert import convert_gguf
-        from batchd.engine.models.gguf_header import GGUFError
-        from batchd.engine.models.model_fixture import FixtureSpec, make_model
-        from batchd.engine.models.registry import packaged_gguf
-    except ImportError as exc:
-        print(
-            f"batchd make-model needs the daemon extra (pip install 'batchd[daemon]'): {exc}",
-            file=sys.stderr,
-        )
-        return 2
-    gguf = args.from_gguf
-    try:
-        if gguf is None and args.preset in PACKAGED:
-            gguf = packaged_gguf(args.preset)
-        if gguf is not None:
+        source = _source(args)
+        if source not in FIXTURE_PRESETS:
+            gguf = packaged_gguf(source) if source in PACKAGED else Path(source)
             path = convert_gguf(gguf, Path(args.out_dir), keep_quantized=args.keep_quantized)
             print(f"converted {gguf} to {path}")
             return 0
-    except (OSError, GGUFError) as exc:
+    except (OSError, ValueError) as exc:  # GGUFError is a ValueError
         print(f"batchd make-model: {exc}", file=sys.stderr)
         return 2
-    spec = FixtureSpec(
-        preset=args.preset, arch=args.arch, seed=args.seed, quantize_bits=args.quantize
-    )
+    spec = FixtureSpec(preset=source, arch=args.arch, seed=args.seed, quantize_bits=args.quantize)
     path = make_model(args.out_dir, spec)
     print(f"wrote {spec.preset} {spec.arch} model (seed {spec.seed}) to {path}")
     return 0
+
+
+def _source(args: argparse.Namespace) -> str:
+    """What to write, as the model registry names it: a preset or a .gguf file.
+
+    ValueError for anything else (a model directory or hub id is served as it is, there is
+    nothing to write) and for --from-gguf beside a different --model."""
+    if args.from_gguf is not None:
+        if args.model is not None and args.model != args.from_gguf:
+            raise ValueError(
+                f"--from-gguf {args.from_gguf} and --model {args.model} name different "
+                "sources: give one"
+            )
+        return str(args.from_gguf)
+    source = args.model or "tiny"
+    if source in PRESET_NAMES or source.lower().endswith(".gguf"):
+        return source
+    raise ValueError(
+        f"--model {source}: make-model writes a preset ({', '.join(PRESET_NAMES)}) or converts "
+        "a .gguf file; a model directory or hub id needs no writing (batchd serve --model "
+        f"{source} loads it)"
+    )

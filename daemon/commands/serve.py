@@ -11,7 +11,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from batchd.config.settings import Settings, default_consumer_name
-from batchd.producers.commands.subcommand import add_command
+from batchd.engine.models.registry import PRESET_NAMES
+from batchd.producers.commands.subcommand import add_command, add_model_option
 
 if TYPE_CHECKING:  # imported when serving: prometheus-client and MLX only then
     from batchd.daemon.ops.prom import DaemonMetrics
@@ -21,11 +22,11 @@ log = logging.getLogger(__name__)
 
 def register(sub: Any) -> None:
     p = add_command(sub, "serve", run)
-    p.add_argument(
-        "--model",
-        metavar="MODEL",
-        help="model to serve: an mlx-lm directory, a hub id, a .gguf file (converted once "
-        "into .batchd/models/gguf) or a preset (smollm2, tiny, ...) (default: model)",
+    add_model_option(
+        p,
+        help="model to serve: a preset (" + ", ".join(PRESET_NAMES) + "), an mlx-lm "
+        "directory, a hub id or a .gguf file (converted once into the model cache); "
+        "--preset is the same option (default: the setting model)",
     )
     p.add_argument(
         "--queue",
@@ -74,7 +75,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """
     settings = apply_args(settings, args)
     if not settings.model:
-        print("batchd serve: no model: give --model or set model / BATCHD_MODEL", file=sys.stderr)
+        print(
+            "batchd serve: no model: give --model (or --preset) or set model / BATCHD_MODEL",
+            file=sys.stderr,
+        )
         return 2
     consumer = settings.daemon.consumer_name or default_consumer_name()
     log.info(

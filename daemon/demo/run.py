@@ -30,8 +30,8 @@ from batchd.config.settings import Settings
 from batchd.daemon.demo.find_redis import find_redis
 from batchd.daemon.demo.jobs import CHAT_JOBS, FILLER_JOBS, DemoJob
 from batchd.daemon.demo.view import JobLine, LiveView, step_line, summary, transcript
-from batchd.daemon.worker.generator import StepView, TokenOut
 from batchd.daemon.worker.loop import Worker
+from batchd.engine.outputs import RequestOutput, StepStats
 from batchd.producers.client import Client
 from batchd.producers.errors import BatchdError
 
@@ -50,9 +50,9 @@ class DemoModel:
 def ensure_model(*, preset: str | None, model: str | None, model_dir: Path | None) -> DemoModel:
     """The demo's model: a preset (default smollm2) built or converted into ``model_dir``
     on first use, or any ``--model`` (directory, hub id, .gguf), taken as a real model."""
+    from batchd.engine.cache import model_cache
     from batchd.engine.models.registry import (
         FIXTURE_PRESETS,
-        MODEL_CACHE,
         ensure_preset,
         resolve_model,
     )
@@ -60,7 +60,7 @@ def ensure_model(*, preset: str | None, model: str | None, model_dir: Path | Non
     if model is not None:
         return DemoModel(Path(resolve_model(model)), model, random_weights=False)
     name = preset or "smollm2"
-    target = model_dir or MODEL_CACHE / name
+    target = model_dir or model_cache() / name
     if not (target / "config.json").is_file():
         print(f"preparing the {name} model in {target} (once) ...", flush=True)
     path = ensure_preset(name, path=target)
@@ -98,10 +98,10 @@ class _StepPacer:
         self.names = names
         self.steps = 0
 
-    def __call__(self, view: StepView | None, outputs: list[TokenOut]) -> None:
+    def __call__(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
         self.steps += 1
         if self.show:
-            print(step_line(self.steps, view, self.names), flush=True)
+            print(step_line(self.steps, stats, self.names), flush=True)
         time.sleep(self.step_s)
 
 

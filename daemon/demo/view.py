@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from batchd.daemon.worker.generator import StepView
+from batchd.engine.outputs import ChunkKind, StepStats
 
 PLAIN_EVERY = 16
 
@@ -82,16 +82,20 @@ class LiveView:
             self.out.flush()
 
 
-def step_line(number: int, view: StepView | None, names: dict[str, str]) -> str:
+def step_line(number: int, stats: StepStats, names: dict[str, str]) -> str:
     """One engine step as a line: who decodes, who prefills how many tokens, who was preempted."""
-    if view is None:
-        return f"step {number:>4}"
-    decodes = " ".join(names.get(j, j) for j in view.decodes) or "-"
-    prefills = " ".join(f"{names.get(j, j)}({n})" for j, n in view.prefills) or "-"
-    text = f"step {number:>4} | {view.num_batched_tokens:>3} tok"
-    text += f" | decode: {decodes} | prefill: {prefills}"
-    if view.preempted:
-        text += " | preempted: " + " ".join(names.get(j, j) for j in view.preempted)
+    decodes = " ".join(
+        names.get(c.request_id, c.request_id) for c in stats.chunks if c.kind is ChunkKind.decode
+    )
+    prefills = " ".join(
+        f"{names.get(c.request_id, c.request_id)}({c.num_tokens})"
+        for c in stats.chunks
+        if c.kind is ChunkKind.prefill
+    )
+    text = f"step {number:>4} | {stats.num_scheduled_tokens:>3} tok"
+    text += f" | decode: {decodes or '-'} | prefill: {prefills or '-'}"
+    if stats.preempted:
+        text += " | preempted: " + " ".join(names.get(j, j) for j in stats.preempted)
     return text
 
 

@@ -21,7 +21,6 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -30,6 +29,9 @@ import redis
 from batchd.producers.schema import DaemonHeartbeat
 
 log = logging.getLogger(__name__)
+
+# Exit status of a daemon whose engine stalled (EX_SOFTWARE).
+EXIT_STALLED = 70
 
 # KEYS[1] heartbeat key; ARGV[1] this instance, ARGV[2] body, ARGV[3] ttl ms.
 # Sets the key when it is absent or ours; returns the holder's body otherwise.
@@ -75,7 +77,6 @@ class Heartbeat:
         ttl_s: float,
         info: dict[str, Any],
         stall_timeout_s: float = float("inf"),
-        on_stall: Callable[[float], None] | None = None,
     ) -> None:
         self.redis = client
         self.key = key
@@ -92,9 +93,9 @@ class Heartbeat:
             "started_at": time.time(),
         }
         self.snapshot: dict[str, Any] = {}
-        # Liveness is progress: ``busy`` with ``last_step_at`` older than this is a stall.
+        # Liveness is progress: ``busy`` with ``last_step_at`` older than this is a stall,
+        # and the process exits (see _exit_stalled).
         self.stall_timeout_s = stall_timeout_s
-        self.on_stall = on_stall
         self._set = client.register_script(_SET)
         self._delete = client.register_script(_DELETE)
         self._stop = threading.Event()
@@ -169,6 +170,21 @@ class Heartbeat:
                     log.error("heartbeat %s failed: %s", self.key, exc)
                 self._failing = str(exc)
             stalled = self.stalled_for()
-            if stalled and self.on_stall is not None:
-                self.on_stall(stalled)
+            if stalled:
+                self._exit_stalled(stalled)
             self._stop.wait(self.interval_s)
+
+    def _exit_stalled(self, silent_s: float) -> None:
+        """The engine has had work and no completed step for ``stall_timeout_s``: the
+        engine thread cannot be interrupted, so the process leaves its jobs to others
+        (their events are the checkpoint) and exits non-zero for its supervisor to
+        restart it."""
+        log.critical(
+            "engine stalled: work and no completed step for %.0fs; exiting (status %d) so "
+            "that other daemons take over the jobs",
+            silent_s,
+            EXIT_STALLED,
+        )
+        self.remove()
+        logging.shutdown()
+        os._exit(EXIT_STALLED)

@@ -11,20 +11,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from batchd.config.settings import Settings
-from batchd.daemon.ops.faults import EngineFaults
 from batchd.daemon.ops.notify import Notifier
 from batchd.daemon.ops.supervisor import Supervisor
-from batchd.daemon.worker.generator import Generator, StepView, TokenOut
+from batchd.daemon.worker.generator import Generator
 from batchd.daemon.worker.jobs import Job
 from batchd.daemon.worker.metrics import Meter
 from batchd.daemon.worker.redis_io import Backoff
+from batchd.engine.outputs import RequestOutput, StepStats
 from batchd.producers.schema import FINAL_STATE, FinishReason
-
-if TYPE_CHECKING:  # prometheus-client is imported only when metrics are on
-    from batchd.daemon.ops.prom import DaemonMetrics
 
 log = logging.getLogger("batchd.daemon.jobs")
 
@@ -33,8 +30,8 @@ log = logging.getLogger("batchd.daemon.jobs")
 class StepDone:
     """An engine step as the observers see it; ``jobs`` have not taken its tokens yet."""
 
-    view: StepView | None
-    outputs: list[TokenOut]
+    stats: StepStats
+    outputs: list[RequestOutput]
     seconds: float
     jobs: Mapping[str, Job]
 
@@ -43,11 +40,28 @@ class WorkerState(Protocol):
     """What the hooks read of the worker, once per loop turn."""
 
     gen: Generator
-    jobs: dict[str, Job]
     backoff: Backoff
     meter: Meter
     queues: list[str]
     stopping: bool
+
+    @property
+    def held(self) -> Mapping[str, Job]: ...
+
+
+class Metrics(Protocol):
+    """The Prometheus series (batchd.daemon.ops.prom.DaemonMetrics, imported only when
+    metrics are on, with prometheus-client)."""
+
+    def started(self) -> None: ...
+
+    def stepped(self, step: StepDone) -> None: ...
+
+    def published(self, seconds: float) -> None: ...
+
+    def finished(self, job: Job) -> None: ...
+
+    def tick(self, stats: StepStats, jobs: Mapping[str, Job], backoff: Backoff) -> None: ...
 
 
 class Ops:
@@ -58,23 +72,16 @@ class Ops:
         *,
         model: str | None = None,
         supervisor: Supervisor | None = None,
-        metrics: DaemonMetrics | None = None,
-        faults: EngineFaults | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.model = model
         self.supervisor = supervisor or Supervisor(Notifier(None), watchdog_s=None)
         self.metrics = metrics
-        self.faults = faults or EngineFaults(None)
 
     @classmethod
-    def for_service(cls, settings: Settings, *, metrics: DaemonMetrics | None) -> Ops:
-        """Ops of ``batchd serve``: systemd from the environment, the test fault hook."""
-        return cls(
-            model=settings.model,
-            supervisor=Supervisor.from_env(),
-            metrics=metrics,
-            faults=EngineFaults.from_env(),
-        )
+    def for_service(cls, settings: Settings, *, metrics: Metrics | None) -> Ops:
+        """Ops of ``batchd serve``: systemd from the environment, metrics if on."""
+        return cls(model=settings.model, supervisor=Supervisor.from_env(), metrics=metrics)
 
     def ready(self, worker: WorkerState) -> None:
         self.supervisor.ready(self._status(worker))
@@ -97,7 +104,6 @@ class Ops:
     def stepped(self, step: StepDone) -> None:
         if self.metrics is not None:
             self.metrics.stepped(step)
-        self.faults.stepped()
 
     def published(self, seconds: float) -> None:
         """One publish took ``seconds`` of the engine thread: building the pipeline,
@@ -137,7 +143,7 @@ class Ops:
         """Once per loop turn: the watchdog ping and status line, the gauges."""
         self.supervisor.alive(lambda: self._status(worker))
         if self.metrics is not None:
-            self.metrics.tick(worker.gen.load(), worker.jobs, worker.backoff)
+            self.metrics.tick(worker.gen.stats(), worker.held, worker.backoff)
 
     def stopping(self, jobs: Mapping[str, Job]) -> None:
         self.supervisor.stopping(f"stopping: {len(jobs)} job(s) finishing")
@@ -147,12 +153,12 @@ class Ops:
         self.supervisor.failed(f"{type(exc).__name__}: {exc}")
 
     def _status(self, worker: WorkerState) -> str:
-        load = worker.gen.load()
+        stats = worker.gen.stats()
         redis = "redis unreachable, " if worker.backoff.down else ""
         return (
             f"{self.model or 'model'} on {','.join(worker.queues)}: {redis}"
-            f"{load.running} running, {load.waiting} waiting, "
-            f"{worker.meter.tokens_per_s():.0f} tokens/s, KV {load.kv_usage:.0%}"
+            f"{stats.num_running} running, {stats.num_waiting} waiting, "
+            f"{worker.meter.tokens_per_s():.0f} tokens/s, KV {stats.kv_usage:.0%}"
         )
 
 

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batchd.daemon.ops.observer import StepDone
-from batchd.daemon.worker.generator import Load
 from batchd.daemon.worker.jobs import Job
 from batchd.daemon.worker.redis_io import Backoff
+from batchd.engine.outputs import StepStats
 from batchd.producers.schema import FINAL_STATE, FinishReason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -100,23 +100,22 @@ class DaemonMetrics:
         """One step: its time, batch, tokens and preemptions; each token's gap to the last,
         or the time to it from enqueue if it is a job's first."""
         now = time.monotonic()
-        view, jobs = step.view, step.jobs
+        stats, jobs = step.stats, step.jobs
         self.histograms["batchd_step_duration_seconds"].observe(step.seconds)
-        if view is not None:
-            batch = len(view.decodes) + len(view.prefills)
-            self.histograms["batchd_step_batch_size"].observe(batch)
-            self.counters["batchd_prefill_tokens_total"].inc(sum(n for _, n in view.prefills))
-            self.counters["batchd_preemptions_total"].inc(len(view.preempted))
+        self.histograms["batchd_step_batch_size"].observe(stats.num_seqs)
+        self.counters["batchd_prefill_tokens_total"].inc(stats.num_prefill_tokens)
+        self.counters["batchd_preemptions_total"].inc(len(stats.preempted))
         for out in step.outputs:
-            if out.token_id is not None:
+            job_id = out.request_id
+            if out.error is None:
                 self.counters["batchd_output_tokens_total"].inc()
-                last = self._last_token.get(out.job_id)
+                last = self._last_token.get(job_id)
                 if last is not None:
                     self.histograms["batchd_inter_token_latency_seconds"].observe(now - last)
-                self._first_token(jobs.get(out.job_id))
-                self._last_token[out.job_id] = now
+                self._first_token(jobs.get(job_id))
+                self._last_token[job_id] = now
             if out.finish_reason is not None:
-                self._last_token.pop(out.job_id, None)
+                self._last_token.pop(job_id, None)
 
     def published(self, seconds: float) -> None:
         self.histograms["batchd_publish_duration_seconds"].observe(seconds)
@@ -126,15 +125,16 @@ class DaemonMetrics:
         self.jobs.labels(state=FINAL_STATE[reason].value, finish_reason=reason.value).inc()
         self._last_token.pop(job.job_id, None)
 
-    def tick(self, load: Load, jobs: Mapping[str, Job], backoff: Backoff) -> None:
-        """Gauges from the engine's load, the jobs held and the Redis connection."""
+    def tick(self, stats: StepStats, jobs: Mapping[str, Job], backoff: Backoff) -> None:
+        """Gauges from the engine's load after its last step, the jobs held and the Redis
+        connection."""
         values = {
-            "batchd_running_sequences": load.running,
-            "batchd_waiting_sequences": load.waiting,
+            "batchd_running_sequences": stats.num_running,
+            "batchd_waiting_sequences": stats.num_waiting,
             "batchd_jobs_held": len(jobs),
-            "batchd_kv_blocks_used": load.kv_blocks_used,
-            "batchd_kv_blocks_free": load.kv_blocks_total - load.kv_blocks_used,
-            "batchd_prefix_cache_hit_ratio": load.prefix_cache_hit_rate,
+            "batchd_kv_blocks_used": stats.kv_blocks_used,
+            "batchd_kv_blocks_free": stats.kv_blocks_total - stats.kv_blocks_used,
+            "batchd_prefix_cache_hit_ratio": stats.prefix_cache_hit_rate,
             "batchd_outbox_events": _outbox(jobs.values()),
             "batchd_redis_up": 0 if backoff.down else 1,
         }

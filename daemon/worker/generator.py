@@ -1,19 +1,41 @@
-"""What the daemon needs from an engine, as a small Protocol.
+"""What the daemon needs from an engine, as a small Protocol, in the engine's own words.
 
-The worker loop talks to a ``Generator`` only: tokenize a job, start it
-(possibly resuming with tokens a previous daemon already published, see
-``JobStart``), abort it, step, and report load. :mod:`batchd.daemon.worker.mlx_generator` adapts
-``engine.LLMEngine`` to it; tests drive the loop with a deterministic fake.
-Every call happens on the engine thread (MLX streams are thread-local).
+The worker talks to a ``Generator`` only: tokenize a job, start each of its
+sequences (possibly resuming with tokens a previous daemon already published,
+see ``JobStart``), abort it, step, and report the last step's figures.
+:mod:`batchd.daemon.worker.mlx_generator` adapts ``engine.LLMEngine`` to it;
+tests drive the loop with deterministic fakes. Every call happens on the engine
+thread (MLX streams are thread-local).
+
+A step's outputs and figures are the engine's own types (``RequestOutput``,
+``StepStats``: plain data, no MLX), so no fact is copied into a daemon type on
+its way through. The one translation left is a name: the engine's finish reasons
+become the wire protocol's by ``FINISH_REASONS``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
+from batchd.engine.outputs import FinishReason as EngineFinish
+from batchd.engine.outputs import RequestOutput, StepStats
 from batchd.producers.schema import FinishReason, JobRequest
+
+# Every engine finish reason as the wire protocol names it. The engine's ``abort`` is
+# what an aborted sequence ends with; the daemon aborts only to cancel or hand back, so
+# on the wire it is ``cancelled``. (``expired`` is the daemon's own: it never starts
+# such a job.)
+FINISH_REASONS: Mapping[EngineFinish, FinishReason] = MappingProxyType(
+    {
+        EngineFinish.stop: FinishReason.stop,
+        EngineFinish.length: FinishReason.length,
+        EngineFinish.abort: FinishReason.cancelled,
+        EngineFinish.error: FinishReason.error,
+    }
+)
 
 
 class JobRejected(ValueError):
@@ -27,66 +49,23 @@ class JobRejected(ValueError):
 
 @dataclass(frozen=True)
 class JobStart:
-    """A job to admit: its request, prompt ids, and outputs it already published.
+    """One sequence of a job to admit: its request, prompt ids, and the outputs it
+    already published.
 
     ``emitted`` is non-empty when a job resumes after a crash: those tokens count
     as produced and are not emitted again; the text of their events is what was
     delivered, and the next outputs carry on exactly as an uninterrupted run
     (text that was still held back then comes with the next output).
-    A job with ``n`` > 1 is started once per sequence, ``index`` 0 first, each with
-    its own ``emitted`` tokens; its outputs name the sequence in ``TokenOut.index``,
-    and ``abort`` drops all of them.
+    A job with ``n`` > 1 is one engine request of n samples: each is started with
+    its ``sample`` index, 0 first, and its own ``emitted`` tokens; outputs name it
+    in ``RequestOutput.sample``, and ``abort`` drops all of them.
     """
 
     job_id: str
     request: JobRequest
     prompt_token_ids: list[int]
     emitted: Sequence[int] = ()
-    index: int = 0
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    """One output of a step: a new token of a job, and/or its end."""
-
-    job_id: str
-    token_id: int | None
-    text: str = ""
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: FinishReason | None = None
-    # Why the engine ended the job, when it ended it with FinishReason.error.
-    error: str | None = None
-    # The sequence of a job with n > 1 (JobStart.index); finish_reason ends that one only.
-    index: int = 0
-    # On the first output of a job that asked: each prompt token's logprob after the first.
-    prompt_logprobs: list[float] | None = None
-
-
-@dataclass(frozen=True)
-class StepView:
-    """The packed batch of one step, for ``batchd demo --show-steps`` and the heartbeat.
-
-    ``prefills`` maps job id -> tokens of its prompt computed this step.
-    """
-
-    decodes: tuple[str, ...] = ()
-    prefills: tuple[tuple[str, int], ...] = ()
-    preempted: tuple[str, ...] = ()
-    num_batched_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Load:
-    """How busy the engine is (for backpressure, the heartbeat and the metrics)."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    # Prefix-cache tokens reused / tokens looked up at admissions, since start.
-    prefix_cache_hit_rate: float = 0.0
+    sample: int = 0
 
 
 class Generator(Protocol):
@@ -94,31 +73,30 @@ class Generator(Protocol):
 
     # True when a step keeps the machine's CPU cores busy (the engine computes on the
     # CPU): the daemon then waits for each publish round trip between steps rather than
-    # running it beside the next step (batchd.daemon.worker.loop).
+    # running it beside the next step (batchd.daemon.worker.cadence).
     steps_use_cpu: bool = False
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         """Prompt token ids of a job (chat template applied); raises JobRejected."""
         ...
 
-    def start(self, job: JobStart) -> FinishReason | None:
-        """Admit a job (one sequence of it). Returns the finish reason instead when its
-        ``emitted`` outputs already end it (a crash just before its final event). Raises
-        JobRejected."""
+    def start(self, job: JobStart) -> EngineFinish | None:
+        """Admit one sequence of a job (the request ``job_id``, sample ``job.sample``).
+        Returns the finish reason instead when its ``emitted`` outputs already end it (a
+        crash just before its final event). Raises JobRejected."""
         ...
 
     def abort(self, job_id: str) -> None:
-        """Drop a job and free its blocks; no output follows."""
+        """Drop every sequence of a job and free their blocks; no output follows."""
         ...
 
-    def step(self) -> list[TokenOut]:
-        """Run one engine step; the outputs of every job that advanced."""
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; an output per sequence that advanced (request id = job id;
+        ``error`` set: the sequence failed and ``token_id`` is no output)."""
         ...
 
     def has_work(self) -> bool: ...
 
-    def load(self) -> Load: ...
-
-    def last_step(self) -> StepView | None:
-        """The batch the last step packed, if the engine reports it."""
+    def stats(self) -> StepStats:
+        """The last step's figures (its packed batch, and the engine's load after it)."""
         ...

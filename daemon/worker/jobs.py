@@ -74,13 +74,16 @@ class Job:
     finish_reason: FinishReason | None = None
     error: str | None = None
     dead_letter: bool = False
-    in_engine: bool = False
     # The fence (batchd.daemon.worker.fence): this pickup's epoch, and how many events the
     # events stream holds as far as this daemon knows.
     epoch: int = 1
     stored_events: int = 0
     # A rejected entry whose id names a job that exists: it writes nothing of that job's.
     foreign: bool = False
+    # A suspect (batchd.daemon.fleet.poison): runs with nothing else in the engine; and
+    # the crashes counted against it while it ran alone.
+    alone: bool = False
+    alone_crashes: int = 0
     _key: str | None = field(default=None, repr=False)
 
     @property
@@ -124,9 +127,13 @@ class Job:
     @property
     def urgent(self) -> bool:
         """Its outbox holds what someone waits on: the first event (time to first token)
-        or the final event. (The ack left once both are stored waits on nobody, unless
-        jobs wait for the room it frees: see ``Worker._due``.)"""
-        return bool(self.unpublished) and (self.stored_events == 0 or self.unpublished[-1].final)
+        or the final event; or it runs alone (a suspect: its progress must be on record
+        before a crash, so that the crash is not blamed on it). (The ack left once both
+        are stored waits on nobody, unless jobs wait for the room it frees: see
+        ``PublishCadence.due``.)"""
+        return bool(self.unpublished) and (
+            self.alone or self.stored_events == 0 or self.unpublished[-1].final
+        )
 
     def set_status(self, **fields: Any) -> None:
         """Queue status-hash fields for the next pipeline (values stored as strings)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import redis
 
-from batchd.producers.keys import Keys
+from batchd.producers.keys import CONSUMER_GROUP, Keys
 
 
 @dataclass(frozen=True)
@@ -17,3 +17,14 @@ class Member:
     redis: redis.Redis
     keys: Keys
     consumer: str
+
+    def create_groups(self, queues: list[str]) -> None:
+        """Create the consumer group of each queue (and the stream) unless it exists."""
+        for queue in queues:
+            try:
+                self.redis.xgroup_create(
+                    self.keys.queue(queue), CONSUMER_GROUP, id="0", mkstream=True
+                )
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise

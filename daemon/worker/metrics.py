@@ -1,6 +1,6 @@
 """Running figures of a daemon: tokens/s, steps, batch sizes, jobs finished.
 
-Read by the heartbeat (tokens/s) and the demo's summary. Updated on the
+Read by the heartbeat (its figures) and the demo's summary. Updated on the
 engine thread only.
 """
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
-from batchd.daemon.worker.generator import StepView
 from batchd.daemon.worker.jobs import Job
+from batchd.engine.outputs import StepStats
 
 WINDOW_S = 10.0
 
@@ -30,12 +31,11 @@ class Meter:
         # The tokens in ``_recent``, kept as it changes: read every loop turn.
         self._recent_tokens = 0
 
-    def step(self, view: StepView | None, num_tokens: int) -> None:
+    def step(self, stats: StepStats, num_tokens: int) -> None:
         now = self.clock()
         self.steps += 1
         self.tokens += num_tokens
-        if view is not None:
-            self.batch_sizes[len(view.decodes) + len(view.prefills)] += 1
+        self.batch_sizes[stats.num_seqs] += 1
         self._recent.append((now, num_tokens))
         self._recent_tokens += num_tokens
         while self._recent and self._recent[0][0] < now - WINDOW_S:
@@ -49,3 +49,16 @@ class Meter:
             return 0.0
         span = max(self.clock() - self._recent[0][0], 1e-3)
         return self._recent_tokens / span
+
+    def figures(self, stats: StepStats, **state: Any) -> dict[str, Any]:
+        """The heartbeat's figures (batchd.producers.schema.DaemonHeartbeat): the engine's
+        load after its last step, these counters, and the daemon's ``state`` (busy,
+        last_step_at, jobs_held, redis_down, stopping)."""
+        return {
+            **state,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "kv_usage": round(stats.kv_usage, 4),
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "jobs_done": dict(self.jobs_finished),
+        }

@@ -3,9 +3,10 @@
 A delivery is parsed and validated (protocol limits, then token limits after
 tokenizing); its status hash and events stream say whether it is new, a job
 to resume at the next seq, one already finished that only needs its status
-and ack repaired, a duplicate of a job seen before, cancelled, expired, or
-poison. Bad input never raises out of here: it becomes a failed job with a
-final error event and a dead letter.
+and ack repaired, a duplicate of a job seen before, cancelled, expired, a
+suspect to run alone, or poison (batchd.daemon.fleet.poison). Bad input never
+raises out of here: it becomes a failed job with a final error event and a dead
+letter.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ import orjson
 import redis
 
 from batchd.config.limits import LimitSettings
+from batchd.daemon.fleet.poison import (
+    POISON_ALONE_CRASHES,
+    alone_crashes,
+    note_counted,
+    suspect_after,
+)
 from batchd.daemon.worker.fence import CREATE_ONLY
 from batchd.daemon.worker.generator import JobRejected
 from batchd.daemon.worker.jobs import Delivery, Job
@@ -33,6 +40,7 @@ from batchd.producers.schema import (
     JobRequest,
     JobState,
     JobStatus,
+    job_seed,
     parse_job,
 )
 
@@ -102,6 +110,11 @@ class PickupPolicy:
         job.stored_events = len(raw_events)
         if self._taken(job, raw_status, out):
             return
+        job.alone_crashes = alone_crashes(
+            raw_status, deliveries=job.delivery.deliveries, stored_events=job.stored_events
+        )
+        if job.alone_crashes > alone_crashes(raw_status, deliveries=0, stored_events=0):
+            note_counted(self.member, job)
         status = _status(job.job_id, raw_status)
         try:
             events = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in raw_events]
@@ -176,11 +189,14 @@ class PickupPolicy:
             and time.time() - job.delivery.enqueued_at > request.ttl_s
         ):
             job.end(FinishReason.expired, error=f"not started within ttl_s={request.ttl_s:g}")
-        elif deliveries > self.max_deliveries:
+        elif job.alone_crashes >= POISON_ALONE_CRASHES:
             job.reject(
-                f"poison: delivered {deliveries} times (max_deliveries {self.max_deliveries})"
+                f"poison: the daemon died {job.alone_crashes} times while running this job "
+                f"alone, with no progress (delivered {deliveries} times)"
             )
         else:
+            # Two crashes with it in the batch: it runs by itself from now on (fleet.poison).
+            job.alone = deliveries > suspect_after(self.max_deliveries)
             return False
         return True
 
@@ -233,6 +249,10 @@ def _parse(delivery: Delivery, limits: LimitSettings) -> Job:
     if request.id is None:
         # A raw producer that sent no id: the entry id names the job.
         job.request = request.model_copy(update={"id": job_id})
+    if request.seed is None:
+        # Every job samples as if seeded (raw producers too): a resume or a re-run after
+        # Redis lost a tail draws the same tokens, so followers only ever read one run.
+        job.request = job.request.model_copy(update={"seed": job_seed(job_id)})
     return job
 
 

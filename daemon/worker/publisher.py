@@ -32,7 +32,6 @@ import orjson
 import redis
 from redis.client import Pipeline
 
-from batchd.daemon.worker import crashpoint
 from batchd.daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
 from batchd.daemon.worker.jobs import Job
 from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
@@ -171,8 +170,6 @@ class Publisher:
         sizes = [(job, self._queue_finish(pipe, job)) for job in finishing]
         for extra in extras:
             extra.queue(pipe)
-        if finishing:
-            crashpoint.reached("after_status")
         return Flush(pipe, sent, sizes, extras)
 
     def settle(self, flush: Flush, replies: list[Any]) -> FlushResult:
@@ -186,8 +183,6 @@ class Publisher:
             at += size
         for extra, reply in zip(flush.extras, replies[at:], strict=True):
             extra.handle(reply)
-        if any(sent.job.stored_final for sent in flush.writing):
-            crashpoint.reached("after_final_event")
         return result
 
     def _queue_finish(self, pipe: Pipeline, job: Job) -> int:

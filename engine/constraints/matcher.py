@@ -1,7 +1,7 @@
 """Per-request grammar state and the batched token masks built from it.
 
 llguidance walks the grammar and the tokenizer's byte trie together and
-writes one bit per vocabulary entry (measured on this 2-core CPU, README:
+writes one bit per vocabulary entry (measured: docs/performance.md,
 Structured output). Masks of all constrained rows of a step are built in
 one call on llguidance's own threads, while MLX still computes the forward;
 unconstrained rows have no matcher and cost nothing.

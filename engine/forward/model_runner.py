@@ -22,7 +22,7 @@ On the MLX path on a multi-core CPU, decode attention runs on several MLX stream
 (one thread each): decode groups are cut into lanes (batchd.engine.forward.paged_attention).
 Prefill attention stays on one stream: its products are large enough for
 BLAS to use every core already, and sharing its KV heads out among streams
-measured slower (0.8x on a 512-token prompt, 2 cores). Streams belong to the
+measured slower (docs/bench/HISTORY.md, "Figures behind the code's choices"). Streams belong to the
 thread that made them, so the runner makes its own on first use in each thread.
 
 The runner knows nothing of the scheduler: it reads chunks through the small

@@ -11,8 +11,9 @@ against the ~1.6 ms a layer the MLX path's block gathers cost (32 sequences of
 ~300 tokens, 2 cores). Prefill rows go through the same attention kernel as
 decode rows of a shorter sequence.
 
-The library is built with the machine's ``cc`` into a cache folder
-(``$XDG_CACHE_HOME/batchd/kernels``, else ``~/.cache/batchd/kernels``), named
+The library is built with the machine's ``cc`` into the engine's cache folder
+(:func:`batchd.engine.cache.kernel_cache`: ``$BATCHD_HOME/kernels``, else
+``~/.cache/batchd/kernels`` or the platform's equivalent), named
 by a hash of the source, the compiler flags and the CPU's feature flags, so a
 copied cache never runs code built for another CPU. Where there is no compiler
 or the build fails, :func:`available` is False and the runner keeps MLX's
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchd.engine.cache import kernel_cache
+
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "BATCHD_NATIVE_ATTENTION"
@@ -53,15 +56,14 @@ FLAGS = (
     "-pthread",
 )
 LIBRARIES = ("-lm",)
+NO_KERNELS_COST = (
+    "decode attention and the CPU matrix products run on MLX's path instead, about half "
+    "the throughput on a CPU; install a C compiler (Debian/Ubuntu: apt-get install gcc)"
+)
 
 
 class KernelError(RuntimeError):
     """The kernel refused its arguments or ran out of memory or threads."""
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "batchd" / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -79,7 +81,7 @@ def _build(compiler: str) -> Path:
     sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     for part in (sources, " ".join(FLAGS + LIBRARIES).encode(), _cpu_flags().encode()):
         digest.update(part)
-    target = _cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
+    target = kernel_cache() / f"kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -101,22 +103,52 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-@cache
-def _library() -> ctypes.CDLL | None:
+@dataclass(frozen=True)
+class KernelBuild:
+    """The outcome of building the kernels once: the library, or why there is none."""
+
+    library: ctypes.CDLL | None
+    detail: str  # the shared library's path, or the reason it was not built
+
+
+def _compile() -> KernelBuild:
     compiler_path = compiler()
     if compiler_path is None:
-        log.info("no C compiler: decode attention gathers KV blocks with MLX")
-        return None
+        return KernelBuild(None, f"no C compiler (cc or gcc; $CC): {NO_KERNELS_COST}")
     try:
-        library = ctypes.CDLL(str(_build(compiler_path)))
+        path = _build(compiler_path)
+        return KernelBuild(ctypes.CDLL(str(path)), str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        log.warning(
-            "decode attention kernel not built (%s%s); using MLX's gather path",
-            exc,
-            f": {detail.decode(errors='replace')[-500:]}" if detail else "",
-        )
-        return None
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-500:]
+        reason = f"{exc}: {detail}" if detail else str(exc)
+        return KernelBuild(None, f"the build failed ({reason}): {NO_KERNELS_COST}")
+
+
+@cache
+def _build_once() -> KernelBuild:
+    built = _compile()
+    if built.library is None:
+        # Said once a process, as a warning: the fallback works but costs half the speed.
+        log.warning("C kernels not built: %s", built.detail)
+    else:
+        _declare(built.library)
+    return built
+
+
+def _library() -> ctypes.CDLL | None:
+    return _build_once().library
+
+
+def describe() -> str:
+    """What this machine runs for the CPU kernels, in a line (``batchd doctor``)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"off ({DISABLE_ENV}=0): {NO_KERNELS_COST}"
+    built = _build_once()
+    return f"built ({built.detail})" if built.library is not None else built.detail
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """Set the argument and result types of the library's functions."""
     fn = library.batchd_paged_decode
     c_int, c_pointer = ctypes.c_int, ctypes.c_void_p
     # q, k, v, tables, lengths, out; batch, heads, kv_heads, dim; slots; width, block_size;
@@ -154,7 +186,6 @@ def _library() -> ctypes.CDLL | None:
     library.batchd_panel_width.restype = c_int
     library.batchd_tile_rows.argtypes = []
     library.batchd_tile_rows.restype = c_int
-    return library
 
 
 def available() -> bool:

@@ -2,7 +2,7 @@
 
 Why: on a CPU, OpenBLAS packs every weight into its own layout again on each call,
 which at decode's few rows costs as much as the arithmetic; the C products read
-weights packed here at load (README, On a CPU). Each layer's q, k and v projections
+weights packed here at load (docs/engine.md, On a CPU). Each layer's q, k and v projections
 become one packed product, gate and up another (with SiLU applied as it is written),
 so a layer runs four products instead of seven.
 

@@ -18,8 +18,9 @@ elsewhere (Metal) ``mx.fast.scaled_dot_product_attention`` runs them.
 MLX runs a stream's elementwise work (gathers, softmax) on one thread, so
 on a multi-core CPU the decode groups are cut further into *lanes*, pieces
 of about equal work that the runner places on separate streams to run in
-parallel (measured on 2 cores: one layer's decode attention for 32
-sequences of ~500 tokens, 10.7 ms on one stream, 6.6 ms on two).
+parallel (on 2 cores, two streams cut one layer's decode attention by more
+than a third; the figures: docs/bench/HISTORY.md, "Figures behind the code's
+choices"). Revisit if MLX runs a stream's elementwise work on several threads.
 """
 
 from __future__ import annotations

@@ -1,16 +1,22 @@
-"""Convert a llama-family GGUF file into an mlx-lm model directory.
+"""Convert a GGUF file into an mlx-lm model directory, through llama.cpp's ``gguf`` package.
 
-GGUF is how most local models are held (llama.cpp, Ollama, LM Studio);
-mlx-lm does not load it. ``mx.load`` reads it, though: quantized tensors
-(Q4_0, Q4_1, Q8_0) come back as MLX affine triples (weight, scales,
-biases; group size 32). Three things differ from a Hugging Face checkpoint
-and are fixed here: tensor names, the q/k projections (stored permuted
-for llama.cpp's rope, so the model runs with ``rope_traditional: true``
-instead of un-permuting), and the tokenizer (see gguf_tokenizer).
+GGUF is how most local models are held (llama.cpp, Ollama, LM Studio); mlx-lm
+does not load it. The file is read with ``gguf.GGUFReader`` (memory-mapped)
+and every tensor type ``gguf.quants`` can dequantize is accepted: F32, F16,
+BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants (Q2_K to Q6_K), the IQ types,
+TQ1_0/TQ2_0, MXFP4, NVFP4. Weights become float32, except with
+``keep_quantized``: Q4_0, Q4_1 and Q8_0 tensors are exactly MLX affine
+quantizations (group 32, 4 or 8 bits) and are kept as such, repacked; every
+other type is dequantized still (MLX has no equivalent of its block formats).
+Architectures and their fixes: batchd.engine.models.gguf_arch; tokenizers:
+batchd.engine.models.gguf_tokenizer.
+
+Every problem of a file (tensor types, architecture, metadata, tensor names,
+tokenizer) is collected and reported at once, before anything is written.
 
 MLX's quantized matmul on CPU is single-threaded while float32 uses
-OpenBLAS, so on a machine without a GPU the weights are dequantized to
-float32 by default (2-3x faster decode); on Metal or CUDA they stay quantized.
+OpenBLAS, so on a machine without a GPU the default is float32; on Metal or
+CUDA quantized tensors are kept.
 """
 
 from __future__ import annotations
@@ -26,27 +32,18 @@ from typing import Any
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import mlx.core as mx
+import numpy as np
 
-from batchd.engine.models.gguf_header import GGUFError, check_supported, meta_value
+from batchd.engine.models.gguf_arch import ARCHES, TOP_NAMES, Arch, Problems, llama3_rope_scaling
+from batchd.engine.models.gguf_header import GGUFError, tensor_types
 from batchd.engine.models.gguf_tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
 
-GROUP_SIZE = 32  # every GGUF block type mx.load reads has 32 weights per block
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases)$")
-_TOP = re.compile(r"(\w+)\.(weight|scales|biases)$")
+GROUP_SIZE = 32  # Q4_0, Q4_1 and Q8_0 blocks hold 32 weights
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP = re.compile(r"(\w+)\.(weight|bias)$")
 
 
 def gpu_available() -> bool:
@@ -54,81 +51,127 @@ def gpu_available() -> bool:
     return bool(mx.metal.is_available() or mx.cuda.is_available())
 
 
-def _hf_name(name: str, *, source: str) -> str:
-    """The Hugging Face / mlx-lm parameter name of a GGUF tensor."""
+def dequantizable_types() -> tuple[str, ...]:
+    """The ggml types this installation converts: what ``gguf.quants`` dequantizes."""
+    from gguf import quants
+
+    return ("F32", "F16", *(t.name for t in quants._type_traits))
+
+
+def _hf_name(name: str, arch: Arch) -> str | None:
+    """The mlx-lm parameter name of a GGUF tensor, or None if it has none."""
     if m := _BLOCK.match(name):
         layer, part, leaf = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{leaf}"
-    elif (m := _TOP.match(name)) and m.group(1) in _TOP_NAMES:
-        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
-    raise GGUFError(f"{source}: tensor {name!r} has no llama counterpart (not a plain llama?)")
+        if part in arch.layer_names:
+            return f"model.layers.{layer}.{arch.layer_names[part]}.{leaf}"
+    elif (m := _TOP.match(name)) and m.group(1) in TOP_NAMES:
+        return f"{TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
 
 
-def model_config(metadata: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """config.json (mlx-lm llama form) from the GGUF's ``llama.*`` metadata."""
-    arch = meta_value(metadata, "general.architecture")
-    if arch != "llama":
-        raise GGUFError(
-            f"{source}: architecture {arch!r} is not supported; GGUF import takes llama-family "
-            "models (general.architecture = llama)"
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata field as a Python value (lists for arrays)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _check(reader: Any, metadata: dict[str, Any], source: str) -> tuple[Arch | None, Problems]:
+    problems = Problems()
+    name = metadata.get("general.architecture")
+    arch = ARCHES.get(str(name))
+    if arch is None:
+        problems.add(
+            f"architecture {name!r} is not supported; GGUF import takes "
+            f"{', '.join(sorted(ARCHES))} (convert other models from their Hugging Face "
+            "checkpoint with mlx_lm.convert, which the engine loads directly)"
         )
+    known = dequantizable_types()
+    bad: dict[str, list[str]] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in known:
+            bad.setdefault(kind, []).append(tensor.name)
+    for kind, names in bad.items():
+        problems.add(
+            f"tensor type {kind} ({len(names)} tensors, e.g. {names[0]}) cannot be "
+            f"dequantized by the gguf package; supported: {', '.join(known)}. Download "
+            "another quantization of the model (Q4_K_M and Q8_0 are common)"
+        )
+    if arch is not None:
+        unknown = [
+            t.name
+            for t in reader.tensors
+            if t.name != "rope_freqs.weight" and _hf_name(t.name, arch) is None
+        ]
+        if unknown:
+            problems.add(
+                f"{len(unknown)} tensors have no {arch.model_type} counterpart (e.g. "
+                f"{', '.join(unknown[:3])}): not a plain {name} model"
+            )
+        if any(t.name.startswith("rope_factors") for t in reader.tensors):
+            problems.add("long-context rope factors (rope_factors_*) are not supported")
+    return arch, problems
 
-    def key(name: str, default: Any = None) -> Any:
-        value = meta_value(metadata, f"llama.{name}", default)
-        if value is None:
-            raise GGUFError(f"{source}: metadata llama.{name} is missing")
-        return value
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    if meta_value(metadata, "llama.rope.scaling.type") not in (None, "none"):
-        raise GGUFError(f"{source}: rope scaling is not supported by GGUF import yet")
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "intermediate_size": int(key("feed_forward_length")),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_traditional": True,
-        "rope_scaling": None,
-        "max_position_embeddings": int(key("context_length")),
-        "vocab_size": int(key("vocab_size", len(metadata["tokenizer.ggml.tokens"]))),
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
+def _array(tensor: Any) -> np.ndarray:
+    """A tensor dequantized to float32 in mlx-lm's (out, in) layout."""
+    from gguf import quants
+
+    kind = tensor.tensor_type.name
+    data = np.asarray(tensor.data)
+    if kind in ("F32", "F16"):
+        return data.astype(np.float32)
+    return np.asarray(quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+
+
+def _kept(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """A Q4_0, Q4_1 or Q8_0 tensor as an exact MLX affine triple (weight as uint32,
+    scales, biases) and its bits; None for other types."""
+    kind = tensor.tensor_type.name
+    if kind not in KEPT_TYPES:
+        return None
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    rows = raw.shape[:-1]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = raw.reshape(*rows, -1, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+        packed = q.astype(np.uint8).reshape(*rows, -1).view(np.uint32)
+        return packed, d, (-128 * d.astype(np.float32)).astype(np.float16), 8
+    nibbles = blocks[..., 2:] if kind == "Q4_0" else blocks[..., 4:]
+    values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # block order
+    pairs = values.reshape(*rows, -1, 16, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+    packed = packed.reshape(*rows, -1).view(np.uint32)
+    if kind == "Q4_0":
+        bias = (-8 * d.astype(np.float32)).astype(np.float16)
+    else:
+        bias = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    return packed, d, bias, 4
 
 
 def _weights(
-    arrays: dict[str, mx.array], *, keep_quantized: bool, source: str
+    reader: Any, arch: Arch, *, keep_quantized: bool
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Renamed weights (dequantized to float32 unless kept) and the quantization config."""
     weights: dict[str, mx.array] = {}
     quantization: dict[str, Any] = {}
-    for name, array in arrays.items():
-        if name.endswith((".scales", ".biases")):
+    for tensor in reader.tensors:
+        hf = _hf_name(tensor.name, arch)
+        if hf is None:
             continue
-        if name == "rope_freqs.weight":
-            raise GGUFError(f"{source}: rope frequency factors (llama 3.1 rope) are not supported")
-        hf = _hf_name(name, source=source)
-        stem = name.removesuffix(".weight")
-        if f"{stem}.scales" not in arrays:
-            weights[hf] = array.astype(mx.float32)
-            continue
-        scales, biases = arrays[f"{stem}.scales"], arrays[f"{stem}.biases"]
-        bits = array.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
-        if keep_quantized:
+        kept = _kept(tensor) if keep_quantized and hf.endswith(".weight") else None
+        if kept is not None:
+            packed, scales, biases, bits = kept
             module = hf.removesuffix(".weight")
-            weights.update({hf: array, f"{module}.scales": scales, f"{module}.biases": biases})
+            weights[hf] = mx.array(packed)
+            weights[f"{module}.scales"] = mx.array(scales)
+            weights[f"{module}.biases"] = mx.array(biases)
             quantization[module] = {"group_size": GROUP_SIZE, "bits": bits}
-        else:
-            weights[hf] = mx.dequantize(
-                array, scales, biases, group_size=GROUP_SIZE, bits=bits
-            ).astype(mx.float32)
+            continue
+        array = _array(tensor)
+        if arch.norm_offset and "norm" in hf:
+            array = array - arch.norm_offset
+        weights[hf] = mx.array(array)
     return weights, quantization
 
 
@@ -137,32 +180,59 @@ def convert_gguf(
 ) -> Path:
     """Write an mlx-lm model directory converted from ``gguf_path``; returns it.
 
-    ``keep_quantized=None`` keeps quantized weights only where a GPU is
-    available. The directory is written beside ``out_dir`` and moved into
-    place last, so an interrupted conversion never leaves a half model.
-    Raises GGUFError (a ValueError) naming what is unsupported.
+    ``keep_quantized=None`` keeps Q4_0/Q4_1/Q8_0 tensors quantized only where a GPU is
+    available. The directory is written beside ``out_dir`` and moved into place last,
+    so an interrupted conversion never leaves a half model. Raises GGUFError (a
+    ValueError) listing every problem of the file.
     """
+    from gguf import GGUFReader
+
     source, out = str(gguf_path), Path(out_dir)
-    check_supported(gguf_path)
+    tensor_types(gguf_path)  # a clear error for what is not a GGUF at all
     keep = gpu_available() if keep_quantized is None else keep_quantized
-    loaded: Any = mx.load(source, return_metadata=True)
-    arrays, metadata = loaded
-    config = model_config(metadata, source=source)
-    weights, quantization = _weights(arrays, keep_quantized=keep, source=source)
-    config["tie_word_embeddings"] = "lm_head.weight" not in weights
-    if quantization:
-        bits = max(q["bits"] for q in quantization.values())
-        config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits, **quantization}
-    config["torch_dtype"] = "float32"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
+    reader = GGUFReader(source)
+    metadata = read_metadata(reader)
+    arch, problems = _check(reader, metadata, source)
+    config: dict[str, Any] = {}
+    if arch is not None:
+        name = str(metadata["general.architecture"])
+        config = {"model_type": arch.model_type, **arch.config(metadata, name, problems)}
+        if arch.rope_traditional:
+            config["rope_traditional"] = True
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            config["rope_scaling"] = llama3_rope_scaling(
+                _array(freqs),
+                head_dim=int(config["head_dim"]),
+                theta=float(config["rope_theta"]),
+                problems=problems,
+            )
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=_parent(out)) as tmp:
         work = Path(tmp) / "model"
         work.mkdir()
-        config.update(write_tokenizer(metadata, work, source=source))
+        config.update(write_tokenizer(metadata, work, source=source, problems=problems))
+        if problems.lines:
+            raise GGUFError(
+                f"{source}: cannot convert ({len(problems.lines)} problems):\n"
+                + "\n".join(f"- {line}" for line in problems.lines)
+            )
+        assert arch is not None
+        weights, quantization = _weights(reader, arch, keep_quantized=keep)
+        config["tie_word_embeddings"] = "lm_head.weight" not in weights
+        config["vocab_size"] = int(weights["model.embed_tokens.weight"].shape[0])
+        if quantization:
+            bits = max(q["bits"] for q in quantization.values())
+            config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits, **quantization}
+        config["torch_dtype"] = "float32"
         mx.save_safetensors(str(work / "model.safetensors"), weights, metadata={"format": "mlx"})
         (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if out.exists():
             shutil.rmtree(out)
         work.rename(out)
-    log.info("converted %s to %s (%s)", source, out, "quantized" if keep else "float32")
+    log.info("converted %s to %s (%s)", source, out, "quantized" if quantization else "float32")
     return out
+
+
+def _parent(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out.parent

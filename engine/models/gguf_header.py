@@ -1,9 +1,8 @@
 """The tensor table of a GGUF file, read before any weight is.
 
-``mx.load`` reads only some GGUF tensor types and, for the others, fails
-deep inside without saying which tensor or type. Reading the header first
-(pure Python, the metadata is skipped, not decoded) lets the converter
-refuse a file with a message naming the type and a tensor that has it.
+A pure-Python look at the header (the metadata is skipped, not decoded): it
+tells a file that is not a GGUF at all from one the converter reads with the
+``gguf`` package, and lists each tensor's type for messages and tools.
 """
 
 from __future__ import annotations
@@ -46,8 +45,6 @@ GGML_TYPES: dict[int, str] = {
     29: "IQ1_M",
     30: "BF16",
 }
-# What mx.load turns into MLX arrays (quantized ones into affine triples).
-SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 
 # Byte sizes of the fixed-size metadata value types (gguf_type ids).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -114,21 +111,4 @@ def tensor_types(path: str | Path) -> dict[str, str]:
             type_id = _u32(f)
             f.seek(8, 1)  # data offset
             types[name] = GGML_TYPES.get(type_id, f"type {type_id}")
-    return types
-
-
-def check_supported(path: str | Path) -> dict[str, str]:
-    """The tensor types, or GGUFError naming the first unsupported type and its tensors."""
-    types = tensor_types(path)
-    unsupported: dict[str, list[str]] = {}
-    for name, kind in types.items():
-        if kind not in SUPPORTED_TYPES:
-            unsupported.setdefault(kind, []).append(name)
-    if unsupported:
-        kind, names = next(iter(unsupported.items()))
-        raise GGUFError(
-            f"{path}: tensor type {kind} ({len(names)} tensors, e.g. {names[0]}) is not "
-            f"supported; supported GGUF types: {', '.join(SUPPORTED_TYPES)}. Re-quantize "
-            "the model to one of them (llama.cpp's llama-quantize, e.g. Q4_1 or Q8_0)"
-        )
     return types

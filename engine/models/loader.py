@@ -1,13 +1,18 @@
-"""Load a checkpoint through mlx-lm and describe what the paged runner needs.
+"""Load a checkpoint through mlx-lm and describe what the paged runners need.
 
-The runner reuses mlx-lm's modules (embedding, projections, norms, MLP, rope)
-and replaces only attention and the cache, so only architectures whose
-attention it reproduces exactly are accepted: the Llama family. Anything else
-is refused here, before its weights are read, with the architecture named.
+Two runners: the specialised one (batchd.engine.forward.model_runner) for the
+Llama family with full attention, and the generic one
+(batchd.engine.forward.generic_runner) for any other architecture mlx-lm
+serves, running mlx-lm's own classes over the pool. ``ModelSpec.generic`` says
+which. Refused, with the missing feature named: an architecture mlx-lm does not
+have (before its weights are read), and layers that keep a state the KV pool
+cannot hold (recurrent / SSM state, K/V shared between layers, layers of
+different KV shapes).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -20,10 +25,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from batchd.engine.exceptions import UnsupportedModelError
+from batchd.engine.models.probe import ProbeError, probe_model
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Architectures of the specialised runner (with full attention only); the rest of what
+# mlx-lm serves runs on the generic path.
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = FAST_MODEL_TYPES
+# mlx-lm caches that hold plain attention K/V, which the pool replaces.
+_KV_CACHES = ("KVCache", "RotatingKVCache", "ChunkedKVCache")
 # Rope classes whose offset may be an array of per-row positions.
 _PER_ROW_ROPES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE")
 
@@ -41,6 +52,8 @@ class ModelSpec:
     max_position_embeddings: int | None
     dtype: mx.Dtype
     qk_norm: bool
+    # Run by the generic runner (mlx-lm's own forward over the pool).
+    generic: bool = False
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -70,20 +83,37 @@ def _resolve(path_or_repo: str | Path, revision: str | None) -> Path:
     )
 
 
+def _mlx_lm_module(model_type: str) -> str:
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}"
+
+
 def check_config(config: dict[str, Any], *, source: str) -> None:
-    """Raise UnsupportedModelError if the runner cannot run this architecture."""
+    """Raise UnsupportedModelError if no runner can run this architecture."""
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or not model_type:
+        raise UnsupportedModelError(f"{source}: config.json has no model_type")
+    try:
+        found = importlib.util.find_spec(_mlx_lm_module(model_type)) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        import mlx_lm
+
         raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported by the paged engine; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{source}: model_type {model_type!r} is not an architecture mlx-lm "
+            f"{mlx_lm.__version__} implements, so the paged engine cannot run it "
+            "(a newer mlx-lm may)"
         )
+
+
+def runs_fast(config: dict[str, Any]) -> bool:
+    """Whether the specialised runner covers this config (else the generic one)."""
     layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModelError(
-            f"{source}: sliding-window attention layers ({sorted(set(layer_types))}) "
-            "are not supported by the paged engine"
-        )
+    return config.get("model_type") in FAST_MODEL_TYPES and all(
+        t == "full_attention" for t in layer_types
+    )
 
 
 def load(
@@ -104,26 +134,30 @@ def load(
         model.set_dtype(getattr(mx, dtype))
     spec = _spec(model, full_config, source=source)
     log.info(
-        "loaded %s (%s, %d layers, %d/%d heads, %s)",
+        "loaded %s (%s, %d layers, %d/%d heads, %s; %s path)",
         source,
         spec.model_type,
         spec.num_layers,
         spec.num_heads,
         spec.num_kv_heads,
         spec.dtype,
+        "generic" if spec.generic else "specialised",
     )
     return LoadedModel(model=model, tokenizer=tokenizer, config=full_config, spec=spec)
 
 
 def _spec(model: nn.Module, config: dict[str, Any], *, source: str) -> ModelSpec:
+    if runs_fast(config):
+        rope_name = type(model.layers[0].self_attn.rope).__name__
+        if rope_name in _PER_ROW_ROPES:
+            return _fast_spec(model, config)
+        log.info("%s: rope type %s takes the generic path", source, rope_name)
+    return generic_spec(model, config, source=source)
+
+
+def _fast_spec(model: nn.Module, config: dict[str, Any]) -> ModelSpec:
     layers = model.layers
     attn = layers[0].self_attn
-    rope_name = type(attn.rope).__name__
-    if rope_name not in _PER_ROW_ROPES:
-        raise UnsupportedModelError(
-            f"{source}: rope type {rope_name} needs a scalar offset; the paged engine "
-            f"supports {', '.join(_PER_ROW_ROPES)}"
-        )
     n_heads = attn.n_heads
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     dtype = model.model.embed_tokens(mx.array([0])).dtype
@@ -137,4 +171,47 @@ def _spec(model: nn.Module, config: dict[str, Any], *, source: str) -> ModelSpec
         max_position_embeddings=config.get("max_position_embeddings"),
         dtype=dtype,
         qk_norm=hasattr(attn, "q_norm"),
+    )
+
+
+def generic_spec(model: Any, config: dict[str, Any], *, source: str) -> ModelSpec:
+    """The spec of a model for the generic runner, from its caches and one probe run;
+    raises UnsupportedModelError naming what the pool cannot hold."""
+    if hasattr(model, "make_cache"):
+        kinds = [type(c).__name__ for c in model.make_cache()]
+        other = sorted({k for k in kinds if k not in _KV_CACHES})
+        if other:
+            others = [i for i, k in enumerate(kinds) if k not in _KV_CACHES]
+            raise UnsupportedModelError(
+                f"{source}: layers {others} keep state of type {', '.join(other)} (recurrent or "
+                "non-attention state); the paged engine holds attention K/V only"
+            )
+    try:
+        layers, vocab = probe_model(model)
+    except ProbeError as e:
+        raise UnsupportedModelError(
+            f"{source}: layers {e.layers} store no K/V of their own (K/V shared between "
+            "layers); the paged engine needs one K/V per layer"
+        ) from None
+    shapes = sorted({(h, d) for h, d, _ in layers})
+    if len(shapes) != 1:
+        raise UnsupportedModelError(
+            f"{source}: layers have different K/V shapes (kv_heads, head_dim) {shapes}; the "
+            "paged engine's pool needs one shape for every layer"
+        )
+    kv_heads, head_dim = shapes[0]
+    text = config.get("text_config") or {}
+    return ModelSpec(
+        model_type=str(config["model_type"]),
+        num_layers=len(layers),
+        num_heads=int(config.get("num_attention_heads") or text.get("num_attention_heads") or 0)
+        or kv_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=config.get("max_position_embeddings")
+        or text.get("max_position_embeddings"),
+        dtype=layers[0][2],
+        qk_norm=False,
+        generic=True,
     )

@@ -22,7 +22,7 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import numpy as np
 
-from batchd.engine.models.registry import FIXTURE_PRESETS as PRESETS
+from batchd.engine.models.presets import FIXTURE_PRESETS as PRESETS
 
 ARCHES = ("llama", "qwen3")
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")

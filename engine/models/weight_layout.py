@@ -2,10 +2,11 @@
 
 mlx-lm's Linear computes ``x @ weight.T`` with ``weight`` stored
 ``[out, in]``, so OpenBLAS runs its transposed-B kernel. With few rows
-(decode), the plain kernel over a ``[in, out]`` copy is faster; measured on
-2 cores, float32: the 32000 x 512 output projection 1.65x at 8 rows and
-1.43x at 32, the layer projections 1.0-1.17x, large prefill products within
-5% either way. Results are bit-identical (same products, same order).
+(decode), the plain kernel over a ``[in, out]`` copy is faster, most for the
+wide output projection, and large prefill products are no slower (the
+figures: docs/bench/HISTORY.md, "Figures behind the code's choices"). Results
+are bit-identical (same products, same order). Revisit if OpenBLAS's
+transposed-B kernel catches up at few rows.
 
 A Linear's weight is replaced by the transposed view of a transposed copy:
 the module computes the same thing through the plain kernel and no memory

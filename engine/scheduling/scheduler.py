@@ -216,7 +216,7 @@ class Scheduler:
     def _check_fits(self, seq: Sequence) -> None:
         prompt, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
         total = prompt + max_tokens
-        where = f"request {seq.seq_id!r}"
+        where = f"request {seq.request_id!r}"
         if total > self.max_model_len:
             raise RequestRejected(
                 f"{where}: prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {total} "

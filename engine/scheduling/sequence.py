@@ -42,9 +42,12 @@ class Sequence:
     `block_hashes` caches the prefix-cache hash chain of the full blocks of
     `token_ids` (tokens only grow, so it stays valid, preemption included).
     `arrival_time` is on the scheduler's clock (time.monotonic by default).
-    `follows` is a sibling (another sequence of the same prompt) this one waits
-    for: it is admitted only once that sibling has computed the full blocks of
-    their common prefix, so those blocks come from the prefix cache.
+    `request_id` and `sample` name what the sequence computes: sample `sample` of
+    request `request_id` (a request has one sequence per sample; `seq_id`, unique
+    among live sequences, is the scheduler's key only). `follows` is a sibling
+    (another sample of the same request) this one waits for: it is admitted only
+    once that sibling has computed the full blocks of their common prefix, so
+    those blocks come from the prefix cache.
     """
 
     def __init__(
@@ -55,10 +58,14 @@ class Sequence:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        request_id: str | None = None,
+        sample: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"sequence {seq_id!r}: prompt_token_ids is empty")
         self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id
+        self.sample = sample
         self.params = params if params is not None else SamplingParams()
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.bulk import enqueue_bulk
-from batchd.producers.bulk_worker import RQ_QUEUE, bulk_worker
+from batchd.producers.bulk_liveness import Liveness
+from batchd.producers.bulk_worker import SafeJob, bulk_worker
 from batchd.producers.commands.subcommand import add_command
 from batchd.producers.errors import ValidationError
 
@@ -25,16 +28,39 @@ def register(sub: Any) -> None:
     p = add_command(sub, "bulk", bulk)
     p.add_argument("input", metavar="IN.jsonl")
     p.add_argument("--out", required=True, metavar="OUT.jsonl")
-    p.add_argument("--window", type=int, default=64, help="most jobs in flight (default 64)")
+    p.add_argument(
+        "--window", type=int, default=None, help="most jobs in flight (default: bulk.window, 64)"
+    )
     p.add_argument("--queue", default="default", help="batchd queue (default: default)")
-    p.add_argument("--rq-queue", default=RQ_QUEUE, help=f"rq queue (default: {RQ_QUEUE})")
+    _rq_queue_option(p)
     p.add_argument("--follow", action="store_true", help="show progress until the run ends")
+    _files_dir_option(p)
 
     p = add_command(sub, "bulk-worker", worker)
-    p.add_argument("--rq-queue", default=RQ_QUEUE, help=f"rq queue (default: {RQ_QUEUE})")
+    _rq_queue_option(p)
+    _files_dir_option(p)
     p.add_argument("--burst", action="store_true", help="exit once the queue is empty")
     p.add_argument(
-        "--no-fork", action="store_true", help="run jobs in this process (rq SimpleWorker)"
+        "--no-fork",
+        action="store_true",
+        help="run jobs in this process (rq SimpleWorker; also bulk.fork = false)",
+    )
+
+
+def _rq_queue_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rq-queue", default=None, help="rq queue (default: bulk.rq_queue, batchd-bulk)"
+    )
+
+
+def _files_dir_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--files-dir",
+        type=Path,
+        default=None,
+        help="the bulk files folder, which a worker never leaves (default: bulk.files_dir, "
+        "else <state home>/gateway-files); the gateway, `batchd bulk` and the worker must "
+        "share it",
     )
 
 
@@ -45,9 +71,10 @@ def _connection(settings: Settings) -> redis.Redis:
 def bulk(args: argparse.Namespace, settings: Settings) -> int:
     """Run a JSONL file of jobs through batchd on rq, results to a JSONL file.
 
-    Enqueue a bulk run on rq: every line of IN (a job request, e.g. {"prompt": "..."}) goes to
-    batchd with at most --window jobs in flight; one result line per input is appended to OUT.
-    Re-running skips lines already in OUT. A `batchd bulk-worker` runs it.
+    Enqueue a bulk run on rq: IN is copied into the bulk files folder and OUT becomes a link to
+    the run's output there; every line of IN (a job request, e.g. {"prompt": "..."}) goes to
+    batchd with at most --window jobs in flight; one result line per input is appended to the
+    output. Re-running with the same IN and OUT resumes. A `batchd bulk-worker` runs it.
     """
     connection = _connection(settings)
     try:
@@ -55,17 +82,18 @@ def bulk(args: argparse.Namespace, settings: Settings) -> int:
             connection,
             input_path=args.input,
             output_path=args.out,
-            window=args.window,
+            files_dir=args.files_dir or settings.bulk.folder(),
+            window=settings.bulk.window if args.window is None else args.window,
             queue=args.queue,
             prefix=settings.key_prefix,
             limits=settings.limits,
-            rq_queue_name=args.rq_queue,
+            rq_queue_name=args.rq_queue or settings.bulk.rq_queue,
         )
     except ValidationError as exc:
         print(f"batchd: invalid bulk run: {exc}", file=sys.stderr)
         return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"batchd: cannot reach Redis: {exc}", file=sys.stderr)
+        print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)
         return 3
     print(job.id)
     if not args.follow:
@@ -82,7 +110,7 @@ def follow_progress(
 ) -> JobStatus:
     """Draw the run's progress bar on ``stream`` until the rq job ends."""
     while True:
-        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        job = SafeJob.fetch(job_id, connection=connection, serializer=JSONSerializer)
         status = job.get_status()
         stream.write("\r" + progress_bar(job.get_meta().get("progress") or {}))
         stream.flush()
@@ -110,15 +138,23 @@ def _failure(job: Job) -> str:
 
 
 def worker(args: argparse.Namespace, settings: Settings) -> int:
-    """Run the rq worker for bulk runs."""
+    """Run the rq worker for bulk runs and Batch API batches.
+
+    Take bulk runs and batches from --rq-queue and run them (one at a time per worker).
+    The worker keeps a heartbeat in Redis (bulk.heartbeat_ttl_s), so the gateway can say
+    when none is alive, and requeues the run of a worker that died (every
+    bulk.reap_interval_s), which another worker, or this one restarted, resumes.
+    """
     try:
         bulk_worker(
             _connection(settings),
-            rq_queue_name=args.rq_queue,
+            files_dir=args.files_dir or settings.bulk.folder(),
+            rq_queue_name=args.rq_queue or settings.bulk.rq_queue,
             burst=args.burst,
-            fork=not args.no_fork,
+            fork=settings.bulk.fork and not args.no_fork,
+            liveness=Liveness.from_settings(settings.bulk, prefix=settings.key_prefix),
         )
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"batchd: cannot reach Redis: {exc}", file=sys.stderr)
+        print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)
         return 3
     return 0

@@ -21,7 +21,7 @@ from batchd.config.settings import Settings
 from batchd.producers.client import Client
 from batchd.producers.commands.subcommand import Handler, add_command
 from batchd.producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
-from batchd.producers.result import ResultBuilder
+from batchd.producers.result import JobResult, ResultBuilder
 from batchd.producers.schema import Event, protocol_schema_json
 
 
@@ -29,16 +29,45 @@ def register(sub: Any) -> None:
     """Add the producer subcommands to the ``batchd`` parser."""
     p = add_command(sub, "submit", submit)
     p.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
-    p.add_argument("--max-tokens", type=int, metavar="N")
-    p.add_argument("--temperature", type=float, metavar="T")
-    p.add_argument("--top-p", type=float, metavar="P")
-    p.add_argument("--seed", type=int, metavar="S")
-    p.add_argument("--priority", type=int, metavar="P")
+    p.add_argument(
+        "--system", metavar="TEXT", help="a system message before the prompt (chat template)"
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as it is, without the model's chat template",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens to generate (limits.max_tokens_cap)",
+    )
+    p.add_argument("--temperature", type=float, metavar="T", help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling (default 1)")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest (0: all)")
+    p.add_argument("--seed", type=int, metavar="S", help="reproducible sampling")
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="STR",
+        help="end the text before this string (repeatable; not printed)",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        metavar="P",
+        help="higher runs first (default 0; waiting jobs age up)",
+    )
     p.add_argument("--ttl", type=float, metavar="SECONDS", help="expire if not started in time")
     p.add_argument("--id", metavar="ID", help="job id (default: a new UUID)")
     p.add_argument("--queue", metavar="Q", help="queue name (default: default)")
-    p.add_argument("--presence-penalty", type=float, metavar="P")
-    p.add_argument("--frequency-penalty", type=float, metavar="P")
+    p.add_argument(
+        "--presence-penalty", type=float, metavar="P", help="-2..2: penalise tokens already present"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, metavar="P", help="-2..2: penalise tokens by their count"
+    )
     p.add_argument(
         "--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID (repeatable)"
     )
@@ -61,15 +90,15 @@ def register(sub: Any) -> None:
     _add_output_options(p)
 
     p = add_command(sub, "stream", stream)
-    p.add_argument("job_id", metavar="ID")
+    p.add_argument("job_id", metavar="ID", help="the job's id (as submit printed it)")
     _add_output_options(p)
 
     p = add_command(sub, "status", status)
-    p.add_argument("job_id", metavar="ID")
+    p.add_argument("job_id", metavar="ID", help="the job's id (as submit printed it)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = add_command(sub, "cancel", cancel)
-    p.add_argument("job_id", metavar="ID")
+    p.add_argument("job_id", metavar="ID", help="the job's id (as submit printed it)")
 
     add_command(sub, "schema", schema)
 
@@ -118,14 +147,19 @@ def _client(settings: Settings, queue: str | None = None) -> Client:
 def submit(args: argparse.Namespace, settings: Settings) -> int:
     """Enqueue a generation job.
 
-    Prints the job's id, or streams its text (--stream), or waits for it (--wait).
+    The prompt goes to the model as a user message through its chat template (--system adds
+    a system message before it; --raw sends the text as it is). Prints the job's id, or
+    streams its text (--stream), or waits for it (--wait).
     """
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
     options = {
+        **_prompt(text, system=args.system, raw=args.raw),
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
         "seed": args.seed,
+        "stop": args.stop,
         "priority": args.priority,
         "ttl_s": args.ttl,
         "presence_penalty": args.presence_penalty,
@@ -137,15 +171,32 @@ def submit(args: argparse.Namespace, settings: Settings) -> int:
         "response_format": _response_format(args.json_schema, args.response_format),
     }
     with _client(settings, args.queue) as client:
-        handle = client.submit(prompt, id=args.id, **options)
+        handle = client.submit(id=args.id, **options)
         if args.stream or args.wait:
             events = handle.stream(timeout=args.timeout)
-            return _print_events(events, handle.id, as_json=args.json, live=args.stream)
+            hint = " (--raw skips the chat template a chat model expects)" if args.raw else ""
+            return _print_events(
+                events, handle.id, as_json=args.json, live=args.stream, no_text_hint=hint
+            )
         if args.json:
             _print_json({"id": handle.id, "queue": handle.queue})
         else:
             print(handle.id)
     return 0
+
+
+def _prompt(text: str, *, system: str | None, raw: bool) -> dict[str, Any]:
+    """The job's prompt field: chat messages (the daemon applies the model's template), or
+    the text as it is with ``raw``.
+
+    A chat model given a bare prompt often ends at once (SmolLM2 answers "What is the
+    capital of France?" with its end token), so the template is the default."""
+    if raw:
+        if system is not None:
+            raise ValidationError("system", "--system needs the chat template: drop --raw")
+        return {"prompt": text}
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    return {"messages": [*messages, {"role": "user", "content": text}]}
 
 
 def _logit_bias(pairs: list[str] | None) -> dict[str, float] | None:
@@ -185,11 +236,14 @@ def stream(args: argparse.Namespace, settings: Settings) -> int:
         return _print_events(events, args.job_id, as_json=args.json, live=True)
 
 
-def _print_events(events: Iterator[Event], job_id: str, *, as_json: bool, live: bool) -> int:
+def _print_events(
+    events: Iterator[Event], job_id: str, *, as_json: bool, live: bool, no_text_hint: str = ""
+) -> int:
     """Print tokens as they come (``live``) or only the result; raises JobFailed.
 
     Of a job with n > 1, only sequence 0 is printed live; the others follow at the
-    end, each on its own line after ``[index]``."""
+    end, each on its own line after ``[index]``. A job that ended without any text says so
+    on stderr (with ``no_text_hint``), so that an empty answer is not mistaken for none."""
     builder = ResultBuilder(job_id)
     for event in events:
         if as_json and live:
@@ -211,7 +265,19 @@ def _print_events(events: Iterator[Event], job_id: str, *, as_json: bool, live: 
             sys.stdout.write("\n" if live else result.text + "\n")
             for choice in result.choices[1:]:
                 sys.stdout.write(f"[{choice.index}] {choice.text}\n")
+            if not result.text and not any(choice.text for choice in result.choices):
+                sys.stdout.flush()
+                print(f"batchd: {_no_text(result)}{no_text_hint}", file=sys.stderr)
     return 0
+
+
+def _no_text(result: JobResult) -> str:
+    """Why a finished job printed nothing: how it ended, after how many tokens."""
+    tokens = result.usage.completion_tokens if result.usage else len(result.token_ids)
+    return (
+        f"job {result.id} produced no text: it finished ({result.finish_reason.value}) "
+        f"after {tokens} token{'s' if tokens != 1 else ''}"
+    )
 
 
 @_guarded

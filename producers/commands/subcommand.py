@@ -32,3 +32,33 @@ def add_command(sub: Any, name: str, handler: Handler) -> argparse.ArgumentParse
     )
     parser.set_defaults(func=handler)
     return parser
+
+
+class _OneModel(argparse.Action):
+    """``--model`` and ``--preset``: two spellings of one option, so that a command takes
+    whichever a user types; naming two different models is a usage error, not a silent
+    choice of the last one."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given: tuple[str, str] | None = getattr(namespace, "_model_given", None)
+        if given is not None and given[0] != option_string and given[1] != values:
+            parser.error(
+                f"{given[0]} {given[1]} and {option_string} {values} name different models: "
+                "give one (both spellings take a preset, a .gguf file, a directory or a hub id)"
+            )
+        namespace._model_given = (option_string, values)
+        setattr(namespace, self.dest, values)
+
+
+def add_model_option(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """Add ``--model MODEL`` with ``--preset MODEL`` as its other spelling (to ``model``,
+    default None); the command resolves the value through the engine's model registry."""
+    parser.add_argument(
+        "--model", "--preset", dest="model", action=_OneModel, metavar="MODEL", help=help
+    )

@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.commands.subcommand import add_command
 from batchd.producers.keys import Keys
@@ -40,7 +41,7 @@ def top(args: argparse.Namespace, settings: Settings) -> int:
                 snapshot = take_snapshot(client, keys)
                 text = snapshot_json(snapshot) if args.json else render(snapshot)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                print(f"batchd: cannot reach Redis: {exc}", file=sys.stderr)
+                print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)
                 if args.once:
                     return 3
                 text = ""

@@ -3,10 +3,16 @@
 Every error a client sees is OpenAI-shaped (:mod:`batchd.producers.gateway.errors`);
 a Redis failure is a 503 with a fixed message (never the URL or password),
 any other failure a 500 that says only "internal error" (details go to the log).
+Redis is reached through :mod:`~batchd.producers.gateway.serving.connections` (a bounded pool,
+retried commands) and the events of every job in flight through one
+:class:`~batchd.producers.gateway.hub.Hub`; every request is counted and timed
+(:mod:`~batchd.producers.gateway.serving.metrics`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,35 +20,62 @@ from contextlib import asynccontextmanager
 
 import redis
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from batchd.producers.aio import AsyncClient
+from batchd.producers.bulk_files import FilesDir
 from batchd.producers.gateway.batches import Batches
 from batchd.producers.gateway.errors import REDIS_DOWN, APIError
-from batchd.producers.gateway.fleet import Fleet
+from batchd.producers.gateway.expiry import Sweeper
+from batchd.producers.gateway.files import Files
+from batchd.producers.gateway.fleet import BulkWorkers, Fleet
 from batchd.producers.gateway.guard import Guard
 from batchd.producers.gateway.online import Online
 from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.responses.endpoint import Responses
+from batchd.producers.gateway.serving import connections
+from batchd.producers.gateway.serving.health import Health
+from batchd.producers.gateway.serving.hub import Hub, running
+from batchd.producers.gateway.serving.metrics import Meter, MetricsMiddleware
 from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
+# How long the hub's read blocks: it is woken at once for a new job, so this is only how
+# often an idle gateway asks.
+HUB_BLOCK_MS = 1000
 
 
 def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
-    """The gateway app on one Redis; ``redis_url`` never appears in an answer."""
-    client = AsyncClient(redis_url, prefix=options.prefix, queue=options.queue)
-    keys = Keys(options.prefix)
-    fleet = Fleet(client.redis, keys, options.queue)
+    """The gateway app on one Redis; ``redis_url`` never appears in an answer.
+    Raises ValueError for an empty API key (it would let a bare Bearer header in)."""
     guard = Guard(
         options.api_keys,
         max_body_bytes=options.max_body_bytes,
         max_in_flight_per_key=options.max_in_flight_per_key,
+        body_timeout_s=options.body_timeout_s,
     )
-    online = Online(client, fleet, guard, options.queue, options.max_backlog, options.limits)
-    batches = Batches(client.redis, redis_url, keys, guard, options)
+    commands = connections.commands(redis_url, options)
+    client = AsyncClient(commands, prefix=options.prefix, queue=options.queue)
+    keys = Keys(options.prefix)
+    hub = Hub(connections.reader(redis_url, block_ms=HUB_BLOCK_MS), commands, keys)
+    meter = Meter()
+    meter.watch(lambda: hub.followed, commands.connection_pool)
+    fleet = Fleet(commands, keys, options.queue)
+    workers = BulkWorkers(commands, options.prefix, options.rq_queue)
+    online = Online(client, fleet, guard, hub, meter, options)
+    responses = Responses(online)
+    health = Health(commands, fleet, workers, queue=options.queue)
+    folder = FilesDir.at(options.files_dir, create=False)  # made at the first upload
+    # rq needs a blocking connection; used from a thread pool, never the event loop.
+    sync = connections.blocking(redis_url, options)
+    files = Files(commands, keys, guard, folder, max_file_bytes=options.max_file_bytes)
+    batches = Batches(commands, sync, keys, guard, files, options, fleet=fleet, workers=workers)
+    sweeper = Sweeper(sync, keys, folder)
     started = time.time()
 
     async def models(request: Request) -> Response:
@@ -61,33 +94,42 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
             )
         return JSONResponse(_model(resolved, started))
 
-    async def health(request: Request) -> Response:
-        try:
-            await client.redis.ping()
-            daemons = len(await fleet.daemons())
-            backlog = await fleet.backlog()
-        except (redis.RedisError, OSError):
-            return JSONResponse({"status": "unavailable", "redis": False, "daemons": 0}, 503)
-        figures = {"redis": True, "daemons": daemons, "queue": options.queue, "backlog": backlog}
-        return JSONResponse({"status": "ok", **figures})
-
     routes = [
         Route("/v1/chat/completions", online.chat, methods=["POST"]),
         Route("/v1/completions", online.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        *health.routes(),
+        *files.routes(),
         *batches.routes(),
     ]
+    if options.metrics:
+        routes.append(Route("/metrics", meter.endpoint, methods=["GET"]))
+
+    async def sweep_forever() -> None:
+        while True:
+            try:
+                await run_in_threadpool(sweeper.sweep)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("expired files not swept: %s", type(exc).__name__)
+            await asyncio.sleep(sweeper.every_s)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
+        sweeping = asyncio.ensure_future(sweep_forever())
+        async with running(hub):
+            yield
+        sweeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeping
         await client.aclose()
-        batches.close()
+        await hub.conn.aclose()
+        sync.close()
 
     return Starlette(
         routes=routes,
+        middleware=[Middleware(MetricsMiddleware, meter=meter, routes=routes)],
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

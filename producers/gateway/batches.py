@@ -1,10 +1,16 @@
-"""The Batch API over HTTP: ``/v1/files`` and ``/v1/batches``, in OpenAI's format.
+"""The Batch API over HTTP: ``/v1/batches``, in OpenAI's format.
 
 Creating a batch enqueues :func:`batchd.producers.gateway.batch_run.run_batch` on rq's
-bulk queue (JSON serializer), with the batch id as the rq job id; a
-``batchd bulk-worker`` runs it. A batch's status is what its runner last
-recorded, except that a runner that crashed for good (its rq job failed)
-makes it ``failed``. The gateway never generates anything itself.
+bulk queue (JSON serializer), naming the batch alone, with the batch id as the rq job
+id; a ``batchd bulk-worker`` runs it. A batch's status is what its runner last
+recorded, except that a runner that crashed for good (its rq job failed) makes it
+``failed``. While a batch waits on something that is not there, its object says so in
+``notice`` (``{"code", "message"}``, batchd's own field, absent otherwise): code
+``no_bulk_worker`` when no bulk worker is alive on the rq queue (from their heartbeats,
+so within seconds of the last one dying), ``no_daemon`` when it runs but no live daemon
+consumes its queue. A batch is seen, listed and cancelled only with the key that made it: any
+other id is a 404 that touches nothing. Its record expires 30 days after its window.
+The gateway never generates anything itself.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import redis
 import redis.asyncio as aioredis
 from rq import Retry
 from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
+from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -24,22 +30,27 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from batchd.producers.bulk import ABANDONED_RETRIES
-from batchd.producers.bulk_worker import rq_queue
+from batchd.producers.bulk_worker import SafeJob, rq_queue
 from batchd.producers.gateway.batch_lines import ENDPOINTS
 from batchd.producers.gateway.errors import APIError, invalid, not_found
+from batchd.producers.gateway.files import Files, expiry_seconds
+from batchd.producers.gateway.fleet import BulkWorkers, Fleet
 from batchd.producers.gateway.guard import Guard
 from batchd.producers.gateway.online import parse_body
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.store import (
+    BATCH_RECORD_TTL_S,
+    DEFAULT_EXPIRY_S,
+    OUTPUT_LIFETIME,
     OWNER,
+    SECRET,
     TERMINAL,
     batch_index,
     batch_key,
     encode,
-    file_key,
-    file_path,
-    file_record,
+    is_record_id,
     new_id,
+    new_secret,
     owned,
     stop_key,
 )
@@ -47,89 +58,71 @@ from batchd.producers.keys import Keys
 
 COMPLETION_WINDOW = "24h"
 WINDOW_S = 24 * 3600
+CREATE_FIELDS = {
+    "input_file_id",
+    "endpoint",
+    "completion_window",
+    "metadata",
+    "output_expires_after",
+}
+# Statuses in which a batch still needs a bulk worker.
+WAITING_ON_WORKER = {"validating", "in_progress", "finalizing", "cancelling"}
+# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 class Batches:
-    """Files and batches of one gateway (see the module doc)."""
+    """Batches of one gateway (see the module doc)."""
 
     def __init__(
         self,
         redis: aioredis.Redis,
-        redis_url: str,
+        sync: redis.Redis,
         keys: Keys,
         guard: Guard,
+        files: Files,
         options: GatewayOptions,
+        *,
+        fleet: Fleet,
+        workers: BulkWorkers,
     ) -> None:
         self.redis = redis
-        self.sync = _sync_redis(redis_url)
+        self.sync = sync
         self.keys = keys
         self.guard = guard
+        self.files = files
         self.options = options
-        self.files_dir = options.files_dir
-
-    def close(self) -> None:
-        self.sync.close()
+        self.fleet = fleet
+        self.workers = workers
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/files", self.upload, methods=["POST"]),
-            Route("/v1/files/{file_id}", self.file, methods=["GET"]),
-            Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
             Route("/v1/batches", self.create, methods=["POST"]),
             Route("/v1/batches", self.listing, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
         ]
 
-    async def upload(self, request: Request) -> Response:
-        owner = self.guard.owner(request)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.options.max_file_bytes:
-            raise APIError(413, f"file exceeds {self.options.max_file_bytes} bytes", param="file")
-        async with request.form(max_part_size=self.options.max_file_bytes) as form:
-            purpose, upload = form.get("purpose"), form.get("file")
-            if purpose != "batch":
-                raise invalid("purpose", "only 'batch' is supported")
-            if upload is None or isinstance(upload, str):
-                raise invalid("file", "a file part is required")
-            data = await upload.read()
-            filename = upload.filename or "upload.jsonl"
-        file_id = new_id("file")
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        await run_in_threadpool(file_path(self.files_dir, file_id).write_bytes, data)
-        record = file_record(
-            file_id, filename=filename, size=len(data), purpose=purpose, created_at=int(time.time())
-        )
-        stored = encode({**record, OWNER: owner})
-        await self.redis.hset(file_key(self.keys, file_id), mapping=stored)  # type: ignore[arg-type]
-        return JSONResponse(record)
-
-    async def _file(self, file_id: str, owner: str | None) -> dict[str, Any]:
-        """The file record; 404 when it does not exist or is another key's."""
-        record = owned(await self.redis.hgetall(file_key(self.keys, file_id)), owner)
-        if record is None:
-            raise not_found("file", file_id, param="file_id", code="file_not_found")
-        return record
-
-    async def file(self, request: Request) -> Response:
-        owner = self.guard.owner(request)
-        return JSONResponse(await self._file(request.path_params["file_id"], owner))
-
-    async def content(self, request: Request) -> Response:
-        owner = self.guard.owner(request)
-        record = await self._file(request.path_params["file_id"], owner)
-        data = await run_in_threadpool(file_path(self.files_dir, record["id"]).read_bytes)
-        return Response(data, media_type="application/jsonl")
-
     async def create(self, request: Request) -> Response:
         owner = self.guard.owner(request)
         body = parse_body(await self.guard.body(request))
+        unknown = sorted(set(body) - CREATE_FIELDS)
+        if unknown:
+            name = unknown[0]
+            raise APIError(
+                400, f"unrecognized argument: {name}", param=name, code="unknown_parameter"
+            )
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
             raise invalid("endpoint", f"must be one of {', '.join(ENDPOINTS)}")
         if window != COMPLETION_WINDOW:
             raise invalid("completion_window", f"must be {COMPLETION_WINDOW!r}")
-        source = await self._file(str(body.get("input_file_id")), owner)
+        metadata = _metadata(body.get("metadata"))
+        lifetime = _output_lifetime(body.get("output_expires_after"))
+        input_id = body.get("input_file_id")
+        if not isinstance(input_id, str):
+            raise invalid("input_file_id", "must be a file id")
+        source = await self.files.record(input_id, owner, param="input_file_id")
         if source["purpose"] != "batch":
             raise invalid("input_file_id", "the file's purpose is not 'batch'")
         created = int(time.time())
@@ -147,25 +140,28 @@ class Batches:
             "created_at": created,
             "expires_at": created + WINDOW_S,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
-            "metadata": body.get("metadata"),
+            "metadata": metadata,
         }
-        stored = encode({**record, OWNER: owner})
-        await self.redis.hset(batch_key(self.keys, batch_id), mapping=stored)  # type: ignore[arg-type]
+        private = {OWNER: owner, SECRET: new_secret(), OUTPUT_LIFETIME: lifetime}
+        key = batch_key(self.keys, batch_id)
+        await self.redis.hset(key, mapping=encode({**record, **private}))  # type: ignore[arg-type]
+        await self.redis.expireat(key, created + WINDOW_S + BATCH_RECORD_TTL_S)
         await self.redis.zadd(batch_index(self.keys, owner), {batch_id: time.time()})
         await run_in_threadpool(self._enqueue, batch_id)
-        return JSONResponse(record)
+        notice = await self._notice(record)
+        return JSONResponse({**record, **notice})
 
     def _enqueue(self, batch_id: str) -> None:
         limits = self.options.limits
-        rq_queue(self.sync).enqueue_call(
+        rq_queue(self.sync, self.options.rq_queue).enqueue_call(
             "batchd.producers.gateway.batch_run.run_batch",
             kwargs={
                 "batch_id": batch_id,
-                "files_dir": str(self.files_dir.resolve()),
                 "queue": self.options.queue,
                 "prefix": self.keys.prefix,
                 "window": self.options.batch_window,
                 "limits": None if limits is None else limits.model_dump(),
+                "default_max_tokens": self.options.default_max_tokens,
             },
             timeout=-1,
             retry=Retry(max=ABANDONED_RETRIES),
@@ -187,16 +183,34 @@ class Batches:
             if not isinstance(rank, int):
                 raise not_found("batch", after, param="after", code="batch_not_found")
             start = rank + 1
-        ids = await self.redis.zrevrange(index, start, start + limit)
-        names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
-        data = [await self._batch(name, owner) for name in names[:limit]]
+        data: list[dict[str, Any]] = []
+        stale: list[str] = []  # ids whose record has expired
+        more = False
+        while not more:
+            ids = await self.redis.zrevrange(index, start, start + limit)
+            if not ids:
+                break
+            start += len(ids)
+            for raw in ids:
+                batch_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+                try:
+                    batch = await self._batch(batch_id, owner)
+                except APIError:
+                    stale.append(batch_id)
+                    continue
+                if len(data) == limit:
+                    more = True
+                    break
+                data.append(batch)
+        if stale:
+            await self.redis.zrem(index, *stale)
         return JSONResponse(
             {
                 "object": "list",
                 "data": data,
                 "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None,
-                "has_more": len(names) > limit,
+                "has_more": more,
             }
         )
 
@@ -204,9 +218,11 @@ class Batches:
         owner = self.guard.owner(request)
         return JSONResponse(await self._batch(request.path_params["batch_id"], owner))
 
-    async def _batch(self, batch_id: str, owner: str | None) -> dict[str, Any]:
+    async def _batch(self, batch_id: str, owner: str) -> dict[str, Any]:
         """The batch as OpenAI shows it; 404 when it does not exist or is another key's."""
-        batch = owned(await self.redis.hgetall(batch_key(self.keys, batch_id)), owner)
+        batch = None
+        if is_record_id(batch_id):
+            batch = owned(await self.redis.hgetall(batch_key(self.keys, batch_id)), owner)
         if batch is None:
             raise not_found("batch", batch_id, param="batch_id", code="batch_not_found")
         if batch["status"] in TERMINAL:
@@ -221,11 +237,30 @@ class Batches:
                 "completed": done - failed,
                 "failed": failed,
             }
+        batch.update(await self._notice(batch))
         return batch
+
+    async def _notice(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``{"notice": ...}`` when the batch waits on a missing bulk worker or daemon."""
+        status = batch["status"]
+        if status in WAITING_ON_WORKER and not await self.workers.live():
+            rq_name = self.options.rq_queue
+            message = (
+                f"no batchd bulk worker is alive on rq queue {rq_name!r}: the batch waits "
+                "until one runs (`batchd bulk-worker`, seeing the gateway's files folder)"
+            )
+            return {"notice": {"code": "no_bulk_worker", "message": message}}
+        if status == "in_progress" and not await self.fleet.serving():
+            message = (
+                f"no live daemon consumes queue {self.options.queue!r}: the batch waits "
+                "until one does (`batchd serve`)"
+            )
+            return {"notice": {"code": "no_daemon", "message": message}}
+        return {}
 
     def _runner(self, batch_id: str) -> tuple[JobStatus | None, dict[str, Any]]:
         try:
-            job = Job.fetch(batch_id, connection=self.sync, serializer=JSONSerializer)
+            job = SafeJob.fetch(batch_id, connection=self.sync, serializer=JSONSerializer)
         except NoSuchJobError:
             return None, {}
         return job.get_status(), job.get_meta().get("progress") or {}
@@ -239,12 +274,34 @@ class Batches:
                 409, f"batch {batch_id} is already {batch['status']}", code="batch_not_cancellable"
             )
         now = int(time.time())
-        await self.redis.set(stop_key(self.keys, batch_id), b"1")
+        stop = stop_key(self.keys, batch_id)
+        await self.redis.set(stop, b"1", exat=batch["created_at"] + WINDOW_S + BATCH_RECORD_TTL_S)
         update = {"status": "cancelling", "cancelling_at": batch.get("cancelling_at") or now}
         await self.redis.hset(batch_key(self.keys, batch_id), mapping=encode(update))  # type: ignore[arg-type]
         return JSONResponse({**batch, **update})
 
 
-def _sync_redis(redis_url: str) -> redis.Redis:
-    """rq needs a blocking connection; used from a thread pool, never the event loop."""
-    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: up to 16 string pairs (keys 64, values 512 characters)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise invalid("metadata", f"must be an object of at most {MAX_METADATA_PAIRS} pairs")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(item, str):
+            raise invalid("metadata", f"{key[:64]!r}: keys up to 64 characters, string values")
+        if len(item) > MAX_METADATA_VALUE:
+            raise invalid("metadata", f"{key!r}: values up to {MAX_METADATA_VALUE} characters")
+    return value
+
+
+def _output_lifetime(value: Any) -> int:
+    """Seconds the batch's output and error files live (``output_expires_after``)."""
+    if value is None:
+        return DEFAULT_EXPIRY_S
+    if not isinstance(value, dict) or set(value) - {"anchor", "seconds"}:
+        raise invalid("output_expires_after", "must be {anchor: 'created_at', seconds: N}")
+    seconds = value.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        raise invalid("output_expires_after.seconds", "must be an integer")
+    return expiry_seconds(value.get("anchor"), seconds, param="output_expires_after")

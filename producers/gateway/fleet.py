@@ -4,70 +4,138 @@ Both come from Redis alone: a daemon is live while its heartbeat key exists
 (``<prefix>:daemon:<consumer>``, JSON with ``model`` and ``queues``), and the
 queue's depth is its consumer group's ``lag`` (entries no daemon has read
 yet; XLEN minus pending before Redis 7). Heartbeats are read at most once per
-``cache_s``, so a burst of requests costs one SCAN, not one per request.
+``cache_s`` and the backlog once per ``backlog_cache_s``, by one request while the
+others wait for its answer, so a burst of requests costs one SCAN and one XINFO, not
+one per request.
+
+The bulk workers a gateway's batches would run on are known the same way: a worker
+keeps ``<prefix>:bulk:worker:<name>`` alive while it runs
+(:mod:`batchd.producers.bulk_liveness`); :class:`BulkWorkers` reads those of the rq
+queue, so that a batch and ``/health`` say when none is alive.
+
+A model is shown by its public name: a hub id as it is (``org/name``), a local path
+by its last part only (``/srv/models/tiny`` is ``tiny``), so no answer reveals the
+daemons' file system. A request may name either form, or a path's last part.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+import redis
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from batchd.producers.bulk_liveness import Liveness, beats_of
 from batchd.producers.keys import CONSUMER_GROUP, Keys
 from batchd.producers.schema import DaemonHeartbeat
 
 SCAN_COUNT = 500
+T = TypeVar("T")
+
+
+def public_name(model: str) -> str:
+    """What a model is called in answers: a local path's last part, a hub id whole."""
+    if model.startswith(("/", ".", "~")) or "\\" in model or model.endswith(".gguf"):
+        return PurePath(model).name
+    return model
+
+
+def live_beats(values: Iterable[bytes | str | None], queue: str) -> list[DaemonHeartbeat]:
+    """The heartbeats among ``values`` (raw heartbeat keys) of daemons consuming ``queue``."""
+    found = []
+    for value in values:
+        if value is None:  # expired since the SCAN
+            continue
+        try:
+            beat = DaemonHeartbeat.model_validate_json(value)
+        except ValidationError:  # not a heartbeat: someone else's key under the prefix
+            continue
+        if queue in beat.queues:
+            found.append(beat)
+    return found
+
+
+def names(beats: Iterable[DaemonHeartbeat]) -> dict[str, str]:
+    """Every name a request may use for a served model -> its public name. A path's last
+    part names it only where one model has that last part."""
+    models = {b.model for b in beats if b.model is not None}
+    accepted = {m: public_name(m) for m in models}
+    accepted.update({public_name(m): public_name(m) for m in models})
+    last: dict[str, set[str]] = {}
+    for m in models:
+        last.setdefault(PurePath(m).name, set()).add(public_name(m))
+    accepted.update({name: next(iter(p)) for name, p in last.items() if len(p) == 1})
+    return accepted
+
+
+def served_models(conn: redis.Redis, keys: Keys, queue: str) -> dict[str, str]:
+    """:func:`names` of the live daemons on ``queue``, read now (the batch runner's view)."""
+    found = list(conn.scan_iter(keys.daemon_pattern, count=SCAN_COUNT))
+    values: Any = conn.mget(found) if found else []
+    return names(live_beats(values, queue))
 
 
 class Fleet:
     """Live daemons serving ``queue`` and the queue's backlog, read from Redis."""
 
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, queue: str, *, cache_s: float = 1.0
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        queue: str,
+        *,
+        cache_s: float = 1.0,
+        backlog_cache_s: float = 0.1,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.queue = queue
-        self.cache_s = cache_s
-        self._daemons: list[DaemonHeartbeat] = []
-        self._read_at = -float("inf")
+        self._daemons = Cached(self._read_daemons, cache_s)
+        self._backlog = Cached(self._read_backlog, backlog_cache_s)
 
     async def daemons(self) -> list[DaemonHeartbeat]:
         """Daemons with a live heartbeat that consume this gateway's queue."""
-        if time.monotonic() - self._read_at < self.cache_s:
-            return self._daemons
-        names = [k async for k in self.redis.scan_iter(self.keys.daemon_pattern, count=SCAN_COUNT)]
-        values = await self.redis.mget(names) if names else []
-        found = []
-        for value in values:
-            if value is None:  # expired since the SCAN
-                continue
-            try:
-                beat = DaemonHeartbeat.model_validate_json(value)
-            except ValidationError:  # not a heartbeat: someone else's key under the prefix
-                continue
-            if self.queue in beat.queues:
-                found.append(beat)
-        self._daemons, self._read_at = found, time.monotonic()
-        return found
+        return await self._daemons.get()
+
+    async def _read_daemons(self) -> list[DaemonHeartbeat]:
+        found = [k async for k in self.redis.scan_iter(self.keys.daemon_pattern, count=SCAN_COUNT)]
+        values = await self.redis.mget(found) if found else []
+        return live_beats(values, self.queue)
 
     async def models(self) -> list[str]:
-        return sorted({d.model for d in await self.daemons() if d.model is not None})
+        """The public names of the models live daemons serve."""
+        return sorted(set((names(await self.daemons())).values()))
 
     async def resolve(self, requested: str) -> str | None:
-        """The served model a request names: its full id, or the last part of a path or
-        hub id (``tiny`` for ``/models/tiny``); None when no live daemon serves it."""
-        models = await self.models()
-        if requested in models:
-            return requested
-        matches = [m for m in models if PurePath(m).name == requested]
-        return matches[0] if len(matches) == 1 else None
+        """The public name of the served model a request names (its public name, its
+        full id, or the last part of its path or hub id); None when no live daemon
+        serves it."""
+        return names(await self.daemons()).get(requested)
+
+    async def context_of(self, model: str) -> int | None:
+        """The context length (``max_model_len``) of ``model`` (a public name), the least
+        its daemons' heartbeats report; None when none reports one."""
+        found = []
+        for beat in await self.daemons():
+            length = (beat.model_extra or {}).get("max_model_len")
+            if beat.model and public_name(beat.model) == model and isinstance(length, int):
+                found.append(length)
+        return min(found) if found else None
+
+    async def serving(self) -> list[DaemonHeartbeat]:
+        """The live daemons that take new jobs: a model loaded, not stopping."""
+        return [b for b in await self.daemons() if b.model and not b.stopping]
 
     async def backlog(self) -> int:
-        """Jobs on the queue that no daemon has read yet."""
+        """Jobs on the queue that no daemon has read yet (as of ``backlog_cache_s`` ago)."""
+        return await self._backlog.get()
+
+    async def _read_backlog(self) -> int:
         stream = self.keys.queue(self.queue)
         try:
             groups: Any = await self.redis.xinfo_groups(stream)
@@ -81,3 +149,45 @@ class Fleet:
                 return int(group["lag"])
             return max(0, int(await self.redis.xlen(stream)) - int(group.get("pending", 0)))
         return int(await self.redis.xlen(stream))
+
+
+class BulkWorkers:
+    """Live bulk workers of one rq queue."""
+
+    def __init__(
+        self, redis: aioredis.Redis, prefix: str, rq_queue: str, *, cache_s: float = 1.0
+    ) -> None:
+        self.redis = redis
+        self.liveness = Liveness(prefix)
+        self.rq_queue = rq_queue
+        self._live = Cached(self._read, cache_s)
+
+    async def live(self) -> list[dict[str, Any]]:
+        """The heartbeats of the live workers taking jobs from the rq queue."""
+        return await self._live.get()
+
+    async def _read(self) -> list[dict[str, Any]]:
+        pattern = self.liveness.worker_pattern
+        keys = [k async for k in self.redis.scan_iter(pattern, count=SCAN_COUNT)]
+        values = await self.redis.mget(keys) if keys else []
+        return beats_of(values, self.rq_queue)
+
+
+class Cached(Generic[T]):
+    """A value read at most once per ``ttl_s``: concurrent callers of a stale value wait
+    for the one read in flight instead of each reading."""
+
+    def __init__(self, read: Callable[[], Awaitable[T]], ttl_s: float) -> None:
+        self.read = read
+        self.ttl_s = ttl_s
+        self._value: T | None = None
+        self._at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> T:
+        if self._value is not None and time.monotonic() - self._at < self.ttl_s:
+            return self._value
+        async with self._lock:
+            if self._value is None or time.monotonic() - self._at >= self.ttl_s:
+                self._value, self._at = await self.read(), time.monotonic()
+            return self._value

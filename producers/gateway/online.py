@@ -2,34 +2,63 @@
 
 The order of checks is the order of cost: key, body size, parameters (400),
 model (404), queue backlog (429), the caller's jobs in flight (429), then the
-submit. The answer is read from the job's events stream (replay-safe), whole
-or as SSE chunks. A client that goes away before the job ends gets its job
+submit. The answer is read from the job's events stream through the gateway's
+:class:`~batchd.producers.gateway.hub.Hub` (one Redis connection for every job in
+flight), whole or as SSE chunks; a stream whose job is still queued gets a comment line
+every ``sse_keepalive_s``. A client that goes away before the job ends gets its job
 cancelled through batchd's cancellation path (status hash + cancel stream).
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import orjson
+import redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from batchd.config.limits import LimitSettings
 from batchd.producers.aio import AsyncClient, AsyncJobHandle
-from batchd.producers.errors import ValidationError
-from batchd.producers.gateway.errors import APIError, invalid, too_busy
+from batchd.producers.errors import JobNotFound, ProtocolError, ValidationError
+from batchd.producers.gateway.errors import REDIS_DOWN, APIError, invalid, too_busy
 from batchd.producers.gateway.fleet import Fleet
 from batchd.producers.gateway.guard import Guard
-from batchd.producers.gateway.params import Mapped, chat_request, completion_request
+from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.params import (
+    Mapped,
+    chat_request,
+    completion_request,
+    fill_max_tokens,
+)
+from batchd.producers.gateway.refusals import failed, param_of
+from batchd.producers.gateway.serving.hub import Hub, Subscription
+from batchd.producers.gateway.serving.metrics import Meter, arrived
 from batchd.producers.gateway.shapes import CHAT, TEXT, Shaper
-from batchd.producers.gateway.stream import DONE, EventStream, sse
+from batchd.producers.gateway.stream import DONE, KEEPALIVE, EventStream, sse
 from batchd.producers.result import FAILED_REASONS
-from batchd.producers.schema import Event, JobRequest, new_job_id, validate_job
+from batchd.producers.schema import Event, JobRequest, validate_job
 
-FAILED_STATUS = {"error": 500, "cancelled": 409, "expired": 504}
+REDIS_ERRORS = (redis.RedisError, OSError)
+LOST = APIError(
+    503,
+    "the job's record was lost (did Redis restart without persistence?); retry",
+    type="server_error",
+    code="job_lost",
+)
+
+
+@dataclass
+class Submitted:
+    """A request turned into a running job: what answering it needs."""
+
+    handle: AsyncJobHandle
+    model: str
+    mapped: Mapped
+    caller: str
+    started: float
 
 
 @dataclass
@@ -39,9 +68,9 @@ class Online:
     client: AsyncClient
     fleet: Fleet
     guard: Guard
-    queue: str
-    max_backlog: int
-    limits: LimitSettings | None = None
+    hub: Hub
+    meter: Meter
+    options: GatewayOptions
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, CHAT, chat_request)
@@ -49,12 +78,12 @@ class Online:
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, TEXT, completion_request)
 
-    async def _serve(
-        self, request: Request, kind: str, mapper: Callable[[dict[str, object]], Mapped]
-    ) -> Response:
+    async def submit(self, request: Request, mapped_of: Callable[[], Mapped]) -> Submitted:
+        """Check, map and submit a request (``mapped_of`` reads its body); the caller's
+        in-flight slot is taken: give it back with ``guard.release``."""
         caller = self.guard.caller(request)
-        body = parse_body(await self.guard.body(request))
-        mapped = mapper(body)
+        owner = self.guard.owner(request)
+        mapped = mapped_of()
         model = await self.fleet.resolve(mapped.model)
         if model is None:
             raise APIError(
@@ -63,29 +92,71 @@ class Online:
                 param="model",
                 code="model_not_found",
             )
-        job = to_job(mapped, self.limits)
+        fill_max_tokens(
+            mapped.job,
+            default=self.options.default_max_tokens,
+            limits=self.options.limits,
+            context=await self.fleet.context_of(model),
+        )
+        job = to_job(mapped, self.options)
         backlog = await self.fleet.backlog()
-        if backlog >= self.max_backlog:
+        if backlog >= self.options.max_backlog:
             raise too_busy(
-                f"the queue holds {backlog} waiting jobs (bound {self.max_backlog}); retry later",
+                f"the queue holds {backlog} waiting jobs (bound {self.options.max_backlog}); "
+                "retry later",
                 code="queue_full",
             )
         self.guard.acquire(caller)
         try:
-            handle = await self.client.submit_request(job, queue=self.queue)
+            # The job is the caller's key's: its status hash says so (key_id). Idempotent:
+            # a submit retried after a lost reply attaches to its own (random) job id.
+            handle = await self.client.submit_request(
+                job, queue=self.options.queue, key_id=owner, idempotent=True
+            )
         except BaseException:
             self.guard.release(caller)
             raise
-        shaper = Shaper(kind, handle.id, model, logprobs=mapped.logprobs)
-        if mapped.stream:
-            return self._stream(handle, shaper, mapped, caller)
-        try:
-            return await self._whole(request, handle, shaper)
-        finally:
-            self.guard.release(caller)
+        return Submitted(handle, model, mapped, caller, arrived(request))
 
-    async def _whole(self, request: Request, handle: AsyncJobHandle, shaper: Shaper) -> Response:
-        collect = asyncio.ensure_future(_collect(handle))
+    async def _serve(
+        self, request: Request, kind: str, mapper: Callable[[dict[str, object]], Mapped]
+    ) -> Response:
+        body = parse_body(await self.guard.body(request))
+        job = await self.submit(request, lambda: mapper(body))
+        shaper = Shaper(
+            kind, job.handle.id, job.model, logprobs=job.mapped.logprobs, tools=job.mapped.tools
+        )
+        route = request.url.path
+        if job.mapped.stream:
+            return self._stream(job, shaper, route)
+        try:
+            tokens, final = await self.collect(request, job, route)
+        finally:
+            self.guard.release(job.caller)
+        if final is None:
+            return Response(status_code=499)  # nobody is listening any more
+        if final.finish_reason in FAILED_REASONS:
+            raise _failed(job.handle.id, final, shaper.kind, job.mapped)
+        return JSONResponse(shaper.whole(tokens, final))
+
+    async def collect(
+        self, request: Request, job: Submitted, route: str
+    ) -> tuple[list[Event], Event | None]:
+        """The job's token events and final event; (.., None) when the client left first
+        (the job is then cancelled)."""
+        tokens: list[Event] = []
+
+        async def read() -> Event:
+            async with self.hub.subscribe(job.handle.id) as sub:
+                async for event in sub.events():
+                    if event.final:
+                        return event
+                    if not tokens:
+                        self.meter.token_sent(route, job.started)
+                    tokens.append(event)
+            raise AssertionError("a stream always ends with a final event")
+
+        collect = asyncio.ensure_future(read())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -93,43 +164,76 @@ class Online:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                await asyncio.shield(handle.cancel())
+                await asyncio.shield(job.handle.cancel())
         if not collect.done() or collect.cancelled():
-            return Response(status_code=499)  # nobody is listening any more
-        tokens, final = collect.result()
-        if final.finish_reason in FAILED_REASONS:
-            raise failed(handle.id, final, kind=shaper.kind)
-        return JSONResponse(shaper.whole(tokens, final))
+            return tokens, None
+        try:
+            return tokens, collect.result()
+        except (JobNotFound, ProtocolError):
+            raise LOST from None
 
-    def _stream(
-        self, handle: AsyncJobHandle, shaper: Shaper, mapped: Mapped, caller: str
-    ) -> Response:
+    def _stream(self, job: Submitted, shaper: Shaper, route: str) -> Response:
         ended = False
+        keepalive = self.options.sse_keepalive_s
 
         async def chunks() -> AsyncIterator[bytes]:
             nonlocal ended
-            async for event in handle.stream():
-                if not event.final:
-                    yield sse(orjson.dumps(shaper.chunk(event)))
-                    continue
-                ended = True
-                if event.finish_reason in FAILED_REASONS:
-                    yield sse(orjson.dumps(failed(handle.id, event, kind=shaper.kind).body()))
-                else:
-                    yield sse(orjson.dumps(shaper.chunk(event)))
-                    if mapped.include_usage:
-                        yield sse(orjson.dumps(shaper.usage_chunk(event)))
+            try:
+                async for chunk in self._chunks(job, shaper, route, keepalive):
+                    yield chunk
+            except (APIError, *REDIS_ERRORS) as exc:  # the job's record lost, Redis gone
+                error = exc if isinstance(exc, APIError) else REDIS_DOWN
+                yield sse(orjson.dumps(error.body()))
                 yield DONE
+            ended = True
 
         async def cancel() -> None:
-            await handle.cancel()
+            await job.handle.cancel()
 
         return EventStream(
             chunks(),
             finished=lambda: ended,
             on_gone=cancel,
-            on_close=lambda: self.guard.release(caller),
+            on_close=lambda: self.guard.release(job.caller),
         )
+
+    async def _chunks(
+        self, job: Submitted, shaper: Shaper, route: str, keepalive_s: float
+    ) -> AsyncIterator[bytes]:
+        """The SSE lines of a streamed job, to its final event and ``[DONE]``."""
+        first = True
+        async with self.hub.subscribe(job.handle.id) as sub:
+            async for event in follow_events(sub, keepalive_s):
+                if event is None:
+                    yield KEEPALIVE
+                    continue
+                if event.final and event.finish_reason in FAILED_REASONS:
+                    error = _failed(job.handle.id, event, shaper.kind, job.mapped)
+                    yield sse(orjson.dumps(error.body()))
+                    yield DONE
+                    return
+                for chunk in shaper.chunks(event):
+                    if first and not event.final:
+                        self.meter.token_sent(route, job.started)
+                        first = False
+                    yield sse(orjson.dumps(chunk))
+                if event.final:
+                    if job.mapped.include_usage:
+                        yield sse(orjson.dumps(shaper.usage_chunk(event)))
+                    yield DONE
+
+
+async def follow_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[Event | None]:
+    """The job's events; None each time ``keepalive_s`` passes without one. A job whose
+    record was lost ends the stream with an error event's worth: LOST."""
+    while True:
+        try:
+            event = await sub.get(keepalive_s)
+        except (JobNotFound, ProtocolError):
+            raise LOST from None
+        yield event
+        if event is not None and event.final:
+            return
 
 
 def parse_body(raw: bytes) -> dict[str, object]:
@@ -142,40 +246,24 @@ def parse_body(raw: bytes) -> dict[str, object]:
     return body
 
 
-def to_job(mapped: Mapped, limits: LimitSettings | None) -> JobRequest:
+def new_gateway_job_id() -> str:
+    """A job id no other caller can guess (128 random bits from ``secrets``)."""
+    return secrets.token_hex(16)
+
+
+def to_job(mapped: Mapped, options: GatewayOptions) -> JobRequest:
     """The JobRequest, validated as the daemon will (limits included); 400 names the field."""
     try:
-        return validate_job({**mapped.job, "id": new_job_id()}, limits)
+        return validate_job({**mapped.job, "id": new_gateway_job_id()}, options.limits)
     except ValidationError as exc:
-        field = exc.field.split(".", 1)[0]
-        raise invalid(field, exc.message) from None
+        raise invalid(param_of(exc.field), exc.message) from None
 
 
-def failed(job_id: str, final: Event, *, kind: str) -> APIError:
-    """The error of a job that ended without a completion. A daemon's refusal names the
-    job field at fault first (``prompt: cannot tokenize: ...``, e.g. a chat request to a
-    model without a chat template): that is the request's fault, a 400 naming it."""
+def _failed(job_id: str, final: Event, kind: str, mapped: Mapped) -> APIError:
     reason = final.finish_reason.value if final.finish_reason else "error"
-    detail = f": {final.error}" if final.error else ""
-    field = (final.error or "").split(":", 1)[0]
-    if reason == "error" and field in JobRequest.model_fields:
-        param = "messages" if kind == CHAT and field == "prompt" else field
-        return invalid(param, f"refused by the daemon: {final.error}")
-    return APIError(
-        FAILED_STATUS.get(reason, 500),
-        f"job {job_id} ended {reason}{detail}",
-        type="server_error" if reason == "error" else "invalid_request_error",
-        code=f"job_{reason}",
-    )
-
-
-async def _collect(handle: AsyncJobHandle) -> tuple[list[Event], Event]:
-    tokens: list[Event] = []
-    async for event in handle.stream():
-        if event.final:
-            return tokens, event
-        tokens.append(event)
-    raise AssertionError("a stream always ends with a final event")
+    bias = mapped.job.get("logit_bias") or {}
+    bias_ids = [int(t) for t in bias if str(t).isdigit()]
+    return failed(job_id, reason, final.error, kind=kind, bias_ids=bias_ids)
 
 
 async def _disconnected(request: Request) -> None:

@@ -4,8 +4,10 @@ Every body key is either mapped onto a JobRequest field, accepted because it
 changes nothing batchd computes (``user``, ``stream``, a neutral value such as
 ``best_of: 1``), or refused with a 400 naming it: a
 client that asks for something batchd would not do must hear so, never get a
-silently different answer. Defaults follow OpenAI's (temperature 1; 16
-tokens for legacy completions), not JobRequest's.
+silently different answer. Values outside OpenAI's documented ranges are refused as
+OpenAI refuses them (:data:`RANGES`). Defaults follow OpenAI's (temperature 1; 16
+tokens for legacy completions), not JobRequest's; a chat completion without max_tokens
+gets the gateway's ``default_max_tokens`` (:func:`fill_max_tokens`).
 """
 
 from __future__ import annotations
@@ -14,22 +16,39 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchd.config.limits import LimitSettings
 from batchd.producers.gateway.errors import APIError, invalid, unsupported
+from batchd.producers.gateway.tools.calls import (
+    ToolUse,
+    call_schema,
+    functions_of,
+    prompt_messages,
+    tool_use,
+)
+from batchd.producers.gateway.tools.messages import chat_messages
+from batchd.producers.schema import MAX_SEQUENCES
 
 OPENAI_TEMPERATURE = 1.0
 COMPLETIONS_MAX_TOKENS = 16
-MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
+# OpenAI's documented ranges (inclusive): outside them OpenAI answers 400, and so do we.
+RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "n": (1, 128),
+    "max_tokens": (1, 2**31 - 1),
+    "max_completion_tokens": (1, 2**31 - 1),
+}
+INTEGERS = {"n", "seed", "max_tokens", "max_completion_tokens"}
 
 # Keys whose neutral value is accepted; anything else is refused (engine lacks it).
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "parallel_tool_calls": lambda v: True,  # meaningless without tools
     "top_logprobs": lambda v: v in (None, 0),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
@@ -38,6 +57,8 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 WHY_REFUSED = {
     "best_of": "greater than 1 is not supported yet",
+    "functions": "(deprecated) is not supported: use tools",
+    "function_call": "(deprecated) is not supported: use tool_choice",
     "metadata": "must be an object",
     "top_logprobs": "is not supported: the gateway has no tokenizer to name alternative "
     "tokens (logprobs: true gives each generated token's logprob)",
@@ -57,23 +78,115 @@ class Mapped:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tools: ToolUse | None = None
 
 
 def chat_request(body: dict[str, Any]) -> Mapped:
-    """``POST /v1/chat/completions`` body -> job fields; raises APIError (400)."""
-    job = {"messages": _messages(body.pop("messages", None))}
+    """``POST /v1/chat/completions`` body -> job fields; raises APIError (400). Without
+    max_tokens the job has none yet: see :func:`fill_max_tokens`."""
+    messages = chat_messages(body.pop("messages", None))
+    job: dict[str, Any] = {"messages": messages}
+    check_ranges(body)
     max_tokens = body.pop("max_completion_tokens", None)
     legacy = body.pop("max_tokens", None)
     max_tokens = legacy if max_tokens is None else max_tokens
     logprobs = body.pop("logprobs", None)
     if logprobs not in (None, True, False):
         raise invalid("logprobs", "must be a boolean")
-    return _common(body, job, max_tokens=max_tokens, logprobs=bool(logprobs))
+    functions, use = chat_tools(body)
+    mapped = _common(body, job, max_tokens=max_tokens, logprobs=bool(logprobs))
+    if use is None or use.mode == "none":
+        return mapped
+    return with_tools(mapped, functions, use)
+
+
+def chat_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ToolUse | None]:
+    """The request's functions and :class:`ToolUse` (None without tools)."""
+    tools = body.pop("tools", None)
+    choice = body.pop("tool_choice", None)
+    parallel = body.pop("parallel_tool_calls", None)
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise invalid("tool_choice", "names a tool but the request has no tools")
+        return [], None
+    functions = functions_of(tools)
+    return functions, tool_use(functions, choice, parallel)
+
+
+def with_tools(mapped: Mapped, functions: list[dict[str, Any]], use: ToolUse) -> Mapped:
+    """``mapped`` with the tools described to the model and, for a forced call, its
+    output held to the call's schema."""
+    job = dict(mapped.job)
+    if "response_format" in job:
+        raise unsupported(
+            "response_format", "cannot be combined with tools (one grammar holds an output)"
+        )
+    job["messages"] = prompt_messages(job["messages"], functions)
+    if use.constrained:
+        job["response_format"] = {
+            "type": "json_schema",
+            "json_schema": call_schema(functions, use),
+        }
+    return Mapped(
+        mapped.model, job, mapped.stream, mapped.include_usage, mapped.logprobs, tools=use
+    )
+
+
+def check_ranges(body: dict[str, Any]) -> None:
+    """400 for a sampling value outside OpenAI's range (:data:`RANGES`), worded as
+    OpenAI's; ``n`` above batchd's :data:`MAX_SEQUENCES` is refused as unsupported."""
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in INTEGERS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise invalid(name, f"must be an integer, got {value!r}")
+        if name not in RANGES:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(name, f"must be a number, got {value!r}")
+        low, high = RANGES[name]
+        if value < low:
+            raise _out_of_range(name, value, above=False, bound=low)
+        if value > high:
+            raise _out_of_range(name, value, above=True, bound=high)
+    if isinstance(body.get("n"), int) and body["n"] > MAX_SEQUENCES:
+        raise unsupported("n", f"above {MAX_SEQUENCES} is not supported by batchd")
+
+
+def _out_of_range(name: str, value: Any, *, above: bool, bound: float) -> APIError:
+    """OpenAI's words ("Invalid 'temperature': decimal above maximum value...") with the
+    gateway's code for a bad value."""
+    kind = "integer" if isinstance(value, int) else "decimal"
+    side, word, op = ("above", "maximum", "<=") if above else ("below", "minimum", ">=")
+    return APIError(
+        400,
+        f"Invalid '{name}': {kind} {side} {word} value. Expected a value {op} {bound:g}, "
+        f"but got {value} instead.",
+        param=name,
+        code="invalid_value",
+    )
+
+
+def fill_max_tokens(
+    job: dict[str, Any], *, default: int, limits: LimitSettings | None, context: int | None
+) -> None:
+    """Give a job without max_tokens the gateway's ``default``, held to what the job may
+    ask for: the max_tokens cap shared by its n sequences, and the model's context
+    length when a daemon's heartbeat tells it."""
+    if "max_tokens" in job:
+        return
+    bound = default
+    if limits is not None:
+        bound = min(bound, max(1, limits.max_tokens_cap // int(job.get("n") or 1)))
+    if context:
+        bound = min(bound, max(1, context - 1))
+    job["max_tokens"] = bound
 
 
 def completion_request(body: dict[str, Any]) -> Mapped:
     """``POST /v1/completions`` body -> job fields; raises APIError (400)."""
     job = _prompt(body.pop("prompt", None))
+    check_ranges(body)
     max_tokens = body.pop("max_tokens", COMPLETIONS_MAX_TOKENS)
     logprobs = body.pop("logprobs", None)
     if logprobs not in (None, 0) and not (isinstance(logprobs, int) and logprobs > 0):
@@ -96,30 +209,46 @@ def _common(
     job.update(_prompt_logprobs(body.pop("prompt_logprobs", None), stream=bool(stream)))
     if max_tokens is not None:
         job["max_tokens"] = max_tokens
-    temperature = body.pop("temperature", None)
-    job["temperature"] = OPENAI_TEMPERATURE if temperature is None else temperature
-    for name in (*SAME_NAME, *EXTRAS):
-        value = body.pop(name, None)
-        if value is not None:
-            job[name] = value
+    job.update(sampling(body))
     response_format = _response_format(body.pop("response_format", None))
     if response_format is not None:
         job["response_format"] = response_format
     stop = body.pop("stop", None)
     if stop is not None:
         job["stop"] = [stop] if isinstance(stop, str) else stop
-    for name in list(body):
-        if name in NEUTRAL and NEUTRAL[name](body[name]):
-            continue
-        if name in NEUTRAL:
-            raise unsupported(name, WHY_REFUSED.get(name, "is not supported by batchd yet"))
-        raise APIError(
-            400, f"unrecognized request argument: {name}", param=name, code="unknown_parameter"
-        )
+    refuse_the_rest(body)
     metadata = body.get("metadata")
     if isinstance(metadata, dict):
         job["metadata"] = metadata
     return Mapped(model, job, bool(stream), include_usage, logprobs)
+
+
+def sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a body (popped): OpenAI's temperature default, the
+    same-name controls and batchd's extras; ``top_p`` 0 is greedy."""
+    temperature = body.pop("temperature", None)
+    job = {"temperature": OPENAI_TEMPERATURE if temperature is None else temperature}
+    for name in (*SAME_NAME, *EXTRAS):
+        value = body.pop(name, None)
+        if value is not None:
+            job[name] = value
+    if job.get("top_p") == 0:  # only the likeliest token: greedy
+        del job["top_p"]
+        job["temperature"] = 0.0
+    return job
+
+
+def refuse_the_rest(body: dict[str, Any], neutral: dict[str, Any] = NEUTRAL) -> None:
+    """400 for what is left of a body: a known parameter's non-neutral value
+    (unsupported), or an unknown parameter."""
+    for name in list(body):
+        if name in neutral and neutral[name](body[name]):
+            continue
+        if name in neutral:
+            raise unsupported(name, WHY_REFUSED.get(name, "is not supported by batchd yet"))
+        raise APIError(
+            400, f"unrecognized request argument: {name}", param=name, code="unknown_parameter"
+        )
 
 
 def _response_format(raw: Any) -> dict[str, Any] | None:
@@ -163,38 +292,6 @@ def _stream_options(options: Any, *, stream: bool) -> bool:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise unsupported("stream_options", "supports only include_usage")
     return bool(options.get("include_usage"))
-
-
-def _messages(raw: Any) -> list[dict[str, str]]:
-    if not isinstance(raw, list) or not raw:
-        raise invalid("messages", "a non-empty list of messages is required")
-    out = []
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(where, "must be an object")
-        role = "system" if message.get("role") == "developer" else message.get("role")
-        if role not in MESSAGE_ROLES:
-            raise invalid(f"{where}.role", f"unknown role {message.get('role')!r}")
-        extra = set(message) - {"role", "content"}
-        if extra:
-            raise unsupported(f"{where}.{sorted(extra)[0]}")
-        out.append({"role": role, "content": _content(message.get("content"), where)})
-    return out
-
-
-def _content(content: Any, where: str) -> str:
-    """Text content; a list of parts is accepted when every part is text."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise unsupported(f"{where}.content[{j}]", "is not text (only text is supported)")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise invalid(f"{where}.content", "must be a string or a list of text parts")
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:

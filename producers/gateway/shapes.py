@@ -5,7 +5,11 @@ A chat completion's id is ``chatcmpl-<job id>`` and a text completion's
 ``finish_reason`` is OpenAI's ``stop`` or ``length``; a job that ended
 cancelled, failed or expired has no OpenAI completion and is reported as an error.
 A job with ``n`` > 1 answers with n choices, each event's ``index`` naming its
-choice; streamed, the final chunk carries every choice's finish_reason.
+choice; streamed, the final chunk carries every choice's finish_reason. With tools, a
+choice's text is read for tool calls (:mod:`batchd.producers.gateway.tools.calls`): its
+message gets ``tool_calls`` and ``finish_reason`` ``tool_calls``; streamed, text goes out
+as it comes until a call may have begun, and the calls go out as ``tool_calls`` deltas
+when the job ends.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from batchd.producers.gateway.tools.calls import Call, ContentGate, ToolUse, call_id, parse_calls
 from batchd.producers.schema import Event, Usage
 
 CHAT = "chat.completion"
@@ -23,14 +28,42 @@ def completion_id(kind: str, job_id: str) -> str:
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{job_id}"
 
 
-def usage_dict(usage: Usage | None) -> dict[str, int]:
+def usage_dict(usage: Usage | None) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the daemon reports the
+    prompt tokens its prefix cache held (``Usage.cached_tokens``)."""
     prompt = usage.prompt_tokens if usage else 0
     completion = usage.completion_tokens if usage else 0
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    cached = cached_tokens(usage)
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def cached_tokens(usage: Usage | None) -> int | None:
+    """Prompt tokens served from the prefix cache, when the daemon says (None: it does
+    not report them)."""
+    value = getattr(usage, "cached_tokens", None) if usage is not None else None
+    return int(value) if isinstance(value, int) else None
+
+
+def tool_calls(job_id: str, index: int, calls: list[Call]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": call_id(job_id, index, number),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for number, call in enumerate(calls)
+    ]
+
+
+def finish_with_calls(reason: str, calls: list[Call]) -> str:
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def add_prompt_logprobs(
@@ -49,13 +82,18 @@ def add_prompt_logprobs(
 class Shaper:
     """Builds one request's OpenAI objects; ``kind`` is :data:`CHAT` or :data:`TEXT`."""
 
-    def __init__(self, kind: str, job_id: str, model: str, *, logprobs: bool) -> None:
+    def __init__(
+        self, kind: str, job_id: str, model: str, *, logprobs: bool, tools: ToolUse | None = None
+    ) -> None:
         self.kind = kind
+        self.job_id = job_id
         self.id = completion_id(kind, job_id)
         self.model = model
         self.logprobs = logprobs
+        self.tools = tools
         self.created = int(time.time())
         self.started: set[int] = set()  # choices whose first chunk went out
+        self.gates: dict[int, ContentGate] = {}  # with tools: each choice's text
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -90,7 +128,13 @@ class Shaper:
             mine = [e for e in tokens if (e.index or 0) == index]
             choice: dict[str, Any] = {"index": index, "finish_reason": reason}
             text = text or "".join(e.text for e in mine)
-            if self.kind == CHAT:
+            if self.kind == CHAT and self.tools is not None:
+                content, calls = parse_calls(text, self.tools)
+                choice["finish_reason"] = finish_with_calls(reason, calls)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = tool_calls(self.job_id, index, calls)
+            elif self.kind == CHAT:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -102,6 +146,48 @@ class Shaper:
             add_prompt_logprobs(self.kind, out, prompt)
         out["usage"] = usage_dict(final.usage)
         return out
+
+    def chunks(self, event: Event) -> list[dict[str, Any]]:
+        """The stream chunks one event makes (with tools, text may wait: see the module
+        doc)."""
+        if self.tools is None or self.kind != CHAT:
+            return [self.chunk(event)]
+        if not event.final:
+            index = event.index or 0
+            content = self._gate(index).feed(event.text)
+            return [self._envelope_chunk(index, {"content": content}, None)] if content else []
+        out = []
+        reasons = {}
+        for index, full, reason in _ends(event):
+            _, calls, rest = self._gate(index).end(full)
+            reasons[index] = finish_with_calls(reason, calls)
+            if rest or index not in self.started:
+                out.append(self._envelope_chunk(index, {"content": rest}, None))
+            for number, item in enumerate(tool_calls(self.job_id, index, calls)):
+                head = {"index": number, "id": item["id"], "type": "function"}
+                head["function"] = {"name": item["function"]["name"], "arguments": ""}
+                args = {"index": number, "function": {"arguments": item["function"]["arguments"]}}
+                out.append(self._envelope_chunk(index, {"tool_calls": [head]}, None))
+                out.append(self._envelope_chunk(index, {"tool_calls": [args]}, None))
+        choices: list[dict[str, Any]] = [
+            {"index": i, "delta": {}, "finish_reason": r, "logprobs": None}
+            for i, r in reasons.items()
+        ]
+        out.append(self._envelope("chat.completion.chunk", choices))
+        return out
+
+    def _gate(self, index: int) -> ContentGate:
+        assert self.tools is not None
+        return self.gates.setdefault(index, ContentGate(self.tools))
+
+    def _envelope_chunk(
+        self, index: int, delta: dict[str, Any], reason: str | None
+    ) -> dict[str, Any]:
+        if index not in self.started:
+            delta = {"role": "assistant", **delta}
+            self.started.add(index)
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return self._envelope("chat.completion.chunk", [choice])
 
     def chunk(self, event: Event) -> dict[str, Any]:
         """A stream chunk for one token event (or, for the final event, every choice's

@@ -15,6 +15,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
+# An SSE comment: keeps proxies from closing a stream whose job waits in the queue.
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def sse(data: bytes) -> bytes:

@@ -95,6 +95,32 @@ def test_the_verdict_counts_each_kind_of_failure() -> None:
     assert not verdict.passed
 
 
+def test_the_verdict_judges_what_a_subscriber_read_as_one_run() -> None:
+    """An unseeded sampled job is held to the reference like a seeded one, and a job
+    that did not complete fails if what its subscriber read mixes two runs (a resumed
+    run that drew new samples after a lost tail)."""
+    client = fakeredis.FakeRedis()
+    unseeded = {"id": "u", "prompt_token_ids": [1, 2], "max_tokens": 3, "temperature": 1.0}
+    jobs = [
+        ChaosJob(payload=unseeded, via=Via.xadd, duplicate=False, cancel=None),
+        _job("mixed"),
+        _job("prefix"),
+    ]
+    reference = {job.id: [5, 6, 7] for job in jobs}
+    ledger = Ledger()
+    for event in _events([5, 9, 7], FinishReason.length):
+        ledger.deliver("u", event)
+    for event in [Event(seq=0, token_id=5), Event(seq=1, token_id=8)]:
+        ledger.deliver("mixed", event)
+    for event in [Event(seq=0, token_id=5), Event(seq=1, finish_reason=FinishReason.error)]:
+        ledger.deliver("prefix", event)
+    verdict = judge(jobs, reference, ledger, client, unexpected_exits=0)
+    assert verdict.differing_unseeded == 1
+    assert verdict.mixed_runs == 1 and verdict.lost == 1
+    assert verdict.zeros()["streams a subscriber read mixing two runs"] == 1
+    assert not verdict.passed
+
+
 def test_a_hostile_entry_lost_with_redis_may_still_be_dead_lettered_once() -> None:
     """A daemon that read an entry before Redis lost it dead-letters it from memory: that
     letter is expected (once), next to the letter of the entry sent again."""

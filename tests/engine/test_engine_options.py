@@ -50,6 +50,7 @@ def test_sampling_params_defaults_and_normalisation() -> None:
         ({"block_size": 0}, "EngineConfig.block_size must be >= 1, got 0"),
         ({"num_kv_blocks": 0}, "EngineConfig.num_kv_blocks must be None or >= 1, got 0"),
         ({"kv_memory_fraction": 1.5}, "EngineConfig.kv_memory_fraction must be in (0, 1], got 1.5"),
+        ({"kv_tokens_per_seq": 0}, "EngineConfig.kv_tokens_per_seq must be >= 1, got 0"),
         ({"aging_rate": -1.0}, "EngineConfig.aging_rate must be >= 0, got -1.0"),
         ({"max_model_len": 0}, "EngineConfig.max_model_len must be None or >= 1, got 0"),
         ({"dtype": "int8"}, "EngineConfig.dtype must be one of ('float32', 'float16', 'bfloat16')"),
@@ -66,5 +67,6 @@ def test_engine_config_is_keyword_only_with_documented_defaults() -> None:
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (32, 512, 16)
     assert config.enable_chunked_prefill and config.enable_prefix_caching
     assert config.aging_rate == 0.1 and config.num_kv_blocks is None
+    assert (config.kv_tokens_per_seq, config.kv_memory_fraction) == (1024, 0.5)
     with pytest.raises(TypeError):
         EngineConfig(32)  # type: ignore[call-arg]

@@ -150,7 +150,8 @@ def test_abort_frees_blocks_at_once(loaded: LoadedModel) -> None:
 
 def test_step_stats_describe_the_packed_batch(loaded: LoadedModel) -> None:
     eng = _engine(loaded, max_num_batched_tokens=32)
-    assert eng.capacity() == 12 and eng.can_admit(12) and not eng.can_admit(13)
+    # The one capacity rule: running slots plus the queue asked for, less what is held.
+    assert eng.config.room(held=0, queue=4) == 12 and eng.config.room(held=13, queue=4) == -1
     eng.add_request("long", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=2))
     eng.add_request("short", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2))
     eng.step()

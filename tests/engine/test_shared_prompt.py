@@ -1,9 +1,9 @@
-"""Sequences that follow a sibling (the n samples of one job) share its prompt's KV blocks.
+"""The samples of one request (the n sequences of a job) share its prompt's KV blocks.
 
-A follower is admitted once its sibling has computed the full blocks of their common
-prompt and takes them from the prefix cache: the prompt is prefilled once (plus each
-follower's last, partial block), the pool holds one copy of its full blocks, and
-every sequence still produces exactly what it would alone.
+A later sample is admitted once an earlier one has computed the full blocks of their
+common prompt and takes them from the prefix cache: the prompt is prefilled once (plus
+each later sample's last, partial block), the pool holds one copy of its full blocks,
+and every sample still produces exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from batchd.engine import EngineConfig, LLMEngine, SamplingParams
 from batchd.engine.models.loader import LoadedModel, load
+from batchd.engine.outputs import FinishReason
 from tests.engine.parity_harness import Reference, Req, check_parity
 
 BLOCK = 16
@@ -41,31 +42,35 @@ def _engine(loaded: LoadedModel, *, prefix_caching: bool = True) -> LLMEngine:
 
 
 def _run(
-    eng: LLMEngine, params: list[SamplingParams], *, follow: bool
+    eng: LLMEngine, params: list[SamplingParams], *, samples: bool
 ) -> tuple[list[list[int]], int, int]:
-    """Outputs of N requests of PROMPT; prefill tokens computed; most blocks in use."""
+    """Outputs of N sequences of PROMPT (the samples of one request, or N requests);
+    prefill tokens computed; most blocks in use."""
     for i, p in enumerate(params):
-        leader = "s0" if follow and i else None
-        eng.add_request(f"s{i}", prompt_token_ids=PROMPT, params=p, follows=leader)
-    outputs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(params))}
+        if samples:
+            eng.add_request("r", prompt_token_ids=PROMPT, params=p, sample=i)
+        else:
+            eng.add_request(f"s{i}", prompt_token_ids=PROMPT, params=p)
+    outputs: dict[tuple[str, int], list[int]] = {}
     prefill = peak = 0
     while eng.has_unfinished():
         for out in eng.step():
-            outputs[out.request_id].append(out.token_id)
+            outputs.setdefault((out.request_id, out.sample), []).append(out.token_id)
         stats = eng.last_step_stats
         prefill += stats.num_prefill_tokens
         peak = max(peak, stats.kv_blocks_used)
-    return [outputs[f"s{i}"] for i in range(len(params))], prefill, peak
+    keys = [("r", i) if samples else (f"s{i}", 0) for i in range(len(params))]
+    return [outputs[key] for key in keys], prefill, peak
 
 
-def test_followers_compute_the_prompt_once_and_share_its_blocks(loaded: LoadedModel) -> None:
+def test_samples_compute_the_prompt_once_and_share_its_blocks(loaded: LoadedModel) -> None:
     greedy = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * N
-    shared, shared_prefill, shared_peak = _run(_engine(loaded), greedy, follow=True)
-    alone, alone_prefill, alone_peak = _run(_engine(loaded), greedy, follow=False)
+    shared, shared_prefill, shared_peak = _run(_engine(loaded), greedy, samples=True)
+    alone, alone_prefill, alone_peak = _run(_engine(loaded), greedy, samples=False)
 
     full_blocks = len(PROMPT) // BLOCK
     partial = len(PROMPT) - full_blocks * BLOCK
-    # The leader prefills the whole prompt, each follower only its partial last block.
+    # Sample 0 prefills the whole prompt, each later one only its partial last block.
     assert shared_prefill == len(PROMPT) + (N - 1) * partial
     assert alone_prefill == N * len(PROMPT)
     # One copy of the full blocks, plus each sequence's own tail (prompt rest + outputs).
@@ -78,33 +83,52 @@ def test_followers_compute_the_prompt_once_and_share_its_blocks(loaded: LoadedMo
     check_parity(Reference(loaded.model), [Req(tuple(PROMPT), MAX_TOKENS)], shared[:1])
 
 
-def test_seeded_followers_sample_as_they_would_alone(loaded: LoadedModel) -> None:
+def test_seeded_samples_sample_as_they_would_alone(loaded: LoadedModel) -> None:
     params = [
         SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i, ignore_eos=True)
         for i in range(N)
     ]
-    shared, _, _ = _run(_engine(loaded), params, follow=True)
+    shared, _, _ = _run(_engine(loaded), params, samples=True)
     for i, p in enumerate(params):
-        alone, _, _ = _run(_engine(loaded), [p], follow=False)
+        alone, _, _ = _run(_engine(loaded), [p], samples=False)
         assert shared[i] == alone[0]
     assert len({tuple(out) for out in shared}) > 1
 
 
-def test_a_follower_goes_on_alone_when_its_leader_is_aborted(loaded: LoadedModel) -> None:
+def test_a_sample_goes_on_alone_when_the_earlier_ones_ended_at_resume(
+    loaded: LoadedModel,
+) -> None:
     eng = _engine(loaded)
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
-    eng.add_request("lead", prompt_token_ids=PROMPT, params=greedy)
-    eng.add_request("next", prompt_token_ids=PROMPT, params=greedy, follows="lead")
-    eng.abort("lead")
+    alone = eng.generate([PROMPT], greedy)[0]
+    # Sample 0's delivered outputs already end it: nothing queued, sample 1 waits for none.
+    ended = eng.add_request(
+        "r", prompt_token_ids=PROMPT, params=greedy, resume_output_token_ids=alone
+    )
+    assert ended is FinishReason.length
+    eng.add_request("r", prompt_token_ids=PROMPT, params=greedy, sample=1)
     outputs = []
     while eng.has_unfinished():
-        outputs += [o.token_id for o in eng.step()]
-    assert outputs == eng.generate([PROMPT], greedy)[0]
+        outputs += [(o.sample, o.token_id) for o in eng.step()]
+    assert outputs == [(1, t) for t in alone]
 
 
-def test_followers_share_nothing_without_prefix_caching(loaded: LoadedModel) -> None:
+def test_abort_drops_every_sample_of_the_request(loaded: LoadedModel) -> None:
+    eng = _engine(loaded)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        eng.add_request("r", prompt_token_ids=PROMPT, params=greedy, sample=i)
+    with pytest.raises(ValueError, match="sample 1 is already running"):
+        eng.add_request("r", prompt_token_ids=PROMPT, params=greedy, sample=1)
+    eng.step()
+    assert eng.num_unfinished == 1 and eng.abort("r") and not eng.has_unfinished()
+    assert eng.scheduler.block_manager.num_used_blocks == 0
+    assert eng.step() == [] and not eng.abort("r")
+
+
+def test_samples_share_nothing_without_prefix_caching(loaded: LoadedModel) -> None:
     greedy = [SamplingParams(max_tokens=4, ignore_eos=True)] * 2
     eng = _engine(loaded, prefix_caching=False)
-    outputs, prefill, _ = _run(eng, greedy, follow=True)
+    outputs, prefill, _ = _run(eng, greedy, samples=True)
     assert prefill == 2 * len(PROMPT)
     assert outputs[0] == outputs[1]

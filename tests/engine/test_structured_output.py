@@ -20,12 +20,12 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import jsonschema
 import pytest
 
-from batchd.daemon.bench.constrained import NESTED_SCHEMA, nested_constraint
 from batchd.engine import EngineConfig, LLMEngine, SamplingParams
 from batchd.engine.constraints import Constraint
 from batchd.engine.exceptions import InvalidRequest
 from batchd.engine.models.loader import load
 from batchd.engine.scheduling.sequence import FinishReason
+from support.schemas import NESTED_SCHEMA, nested_constraint
 
 MAX_TOKENS = 256  # the nested schema's JSON takes ~90 tokens at most here
 
@@ -121,7 +121,8 @@ def test_a_resumed_token_the_grammar_refuses_is_bad_input(eng: LLMEngine) -> Non
 def test_a_grammar_that_fails_mid_way_ends_its_request_alone(eng: LLMEngine) -> None:
     eng.add_request("doomed", prompt_token_ids=_prompt(2), params=_constrained(2))
     eng.add_request("fine", prompt_token_ids=_prompt(3), params=_constrained(3))
-    matcher = eng._requests["doomed"].matcher  # as if llguidance hit a limit at token 5
+    # As if llguidance hit a limit at token 5 (the request's one sample's matcher).
+    matcher = eng._states[eng._live["doomed"][0].seq_id].matcher
     assert matcher is not None
     consume, seen = matcher.consume, []
 

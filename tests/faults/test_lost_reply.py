@@ -26,7 +26,7 @@ def test_entries_read_for_the_daemon_but_never_seen_are_picked_up(
     jobs = fake_jobs(3, prefix="stray")
     with worker_thread(settings, lambda: FakeGenerator(step_delay_s=0.01)) as worker:
         enqueue(client, KEYS, busy)
-        wait_until(lambda: "busy" in worker.jobs, what="the daemon is full")
+        wait_until(lambda: "busy" in worker.held, what="the daemon is full")
         for job in jobs:
             enqueue(client, KEYS, job)
         # The daemon's own XREADGROUP whose reply never arrived: same command, same name.

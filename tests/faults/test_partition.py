@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from batchd.daemon.chaos.proxy import proxy_to
-from batchd.daemon.worker.generator import TokenOut
+from batchd.engine.outputs import RequestOutput
 from faults.checks import KEYS, fake_jobs, wait_nothing_pending
 from support.daemon_harness import (
     FakeGenerator,
@@ -38,15 +38,10 @@ class OtherSampler(FakeGenerator):
 
     first_delay_s: float = 0.5
 
-    def step(self) -> list[TokenOut]:
+    def step(self) -> list[RequestOutput]:
         time.sleep(self.first_delay_s)
         self.first_delay_s = 0.0
-        return [
-            dataclasses.replace(out, token_id=out.token_id + SHIFT)
-            if out.token_id is not None
-            else out
-            for out in super().step()
-        ]
+        return [dataclasses.replace(out, token_id=out.token_id + SHIFT) for out in super().step()]
 
 
 def test_partitioned_daemon_never_mixes_its_tokens_with_the_new_owner(
@@ -60,14 +55,14 @@ def test_partitioned_daemon_never_mixes_its_tokens_with_the_new_owner(
         with worker_thread(a_settings, slow, consumer="a") as a:
             for job in jobs:
                 enqueue(client, KEYS, job)
-            wait_until(lambda: len(a.jobs) == 2, what="A holds both jobs")
+            wait_until(lambda: len(a.held) == 2, what="A holds both jobs")
             wait_until(lambda: client.xlen(KEYS.events("part0")) >= 5, what="A's tokens")
             proxy.pause()
             b_settings = fast_settings(redis_server.url)
             with worker_thread(b_settings, OtherSampler, consumer="b") as b:
-                wait_until(lambda: len(b.jobs) == 2, timeout=20, what="B claims both jobs")
+                wait_until(lambda: len(b.held) == 2, timeout=20, what="B claims both jobs")
                 proxy.resume()  # A's delayed step reaches Redis now
-                wait_until(lambda: not a.jobs, timeout=20, what="A drops the jobs")
+                wait_until(lambda: not a.held, timeout=20, what="A drops the jobs")
                 done = wait_final(client, KEYS, [job["id"] for job in jobs], timeout=30)
     for job in jobs:
         events = done[job["id"]]  # gap-free and duplicate-free from seq 0

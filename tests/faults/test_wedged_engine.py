@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from batchd.daemon.worker.loop import EXIT_STALLED
+from batchd.daemon.fleet.heartbeat import EXIT_STALLED
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
 from support.daemon_harness import (
     ROOT,

@@ -9,8 +9,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from batchd.daemon.worker.generator import TokenOut
 from batchd.daemon.worker.loop import Worker
+from batchd.engine.outputs import RequestOutput
 from support.daemon_harness import FakeGenerator, fast_settings
 
 
@@ -18,7 +18,7 @@ from support.daemon_harness import FakeGenerator, fast_settings
 class WedgedGenerator(FakeGenerator):
     steps_left: int = 0
 
-    def step(self) -> list[TokenOut]:
+    def step(self) -> list[RequestOutput]:
         if self.steps_left <= 0:
             threading.Event().wait()
         self.steps_left -= 1

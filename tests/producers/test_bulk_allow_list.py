@@ -1,5 +1,5 @@
 """The bulk worker runs batchd's bulk functions only: a job naming any other is refused
-before rq imports it, and fails."""
+before rq imports it, and fails (more attacks: tests/security/test_rq_boundary.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from rq import Callback
+from rq import Callback, Queue
 from rq.job import JobStatus
+from rq.serializers import JSONSerializer
 
 from batchd.producers.bulk_worker import bulk_worker, rq_queue
 from support.redis_server import RedisServer
@@ -24,7 +25,7 @@ def test_a_foreign_function_is_refused_and_never_runs(
     conn = redis_server.client()
     job = rq_queue(conn).enqueue_call("shutil.copyfile", args=[str(secret), str(stolen)])
 
-    assert bulk_worker(conn, burst=True, fork=fork)
+    assert bulk_worker(conn, files_dir=tmp_path / "files", burst=True, fork=fork)
 
     assert not stolen.exists()
     job.refresh()
@@ -45,17 +46,17 @@ def test_callbacks_named_in_redis_are_never_imported(
     monkeypatch.syspath_prepend(str(tmp_path))
     conn = redis_server.client()
     evil = Callback("evil_callback.run")
-    job = rq_queue(conn).enqueue_call(
+    job = Queue("batchd-bulk", connection=conn, serializer=JSONSerializer).enqueue_call(
         "batchd.producers.bulk.run_bulk",
-        kwargs={"input_path": str(tmp_path / "missing.jsonl"), "output_path": str(tmp_path / "o")},
+        kwargs={"run": "missing"},
         on_success=evil,
         on_failure=evil,
         on_stopped=evil,
     )
 
-    assert bulk_worker(conn, burst=True, fork=fork)
+    assert bulk_worker(conn, files_dir=tmp_path / "files", burst=True, fork=fork)
 
     job.refresh()
-    assert job.get_status() == JobStatus.FAILED  # the allowed function ran, and failed
+    assert job.get_status() == JobStatus.FAILED  # refused: it names callbacks
     assert not imported.exists() and not called.exists()
     assert "evil_callback" not in sys.modules

@@ -14,13 +14,13 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
-from rq import SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from batchd.daemon.cli import main
-from batchd.producers.bulk import ResultFile, line_job_id, parse_line, run_bulk
-from batchd.producers.bulk_worker import rq_queue
+from batchd.producers.bulk import line_job_id, parse_line, run_bulk, run_name, stage_run
+from batchd.producers.bulk_files import FilesDir, ResultFile
+from batchd.producers.bulk_worker import BulkSimpleWorker, rq_queue
 from batchd.producers.commands.bulk import follow_progress
 from batchd.producers.errors import BulkBusy, ValidationError
 from support.redis_server import RedisServer
@@ -41,6 +41,20 @@ def read_output(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
+def run_in_process(
+    redis_server: RedisServer, tmp_path: Path, source: Path, **options: object
+) -> tuple[dict, Path]:
+    """``run_bulk`` of IN in this process (no rq): its summary, and OUT (a link to the
+    run's output in the files folder ``tmp_path/files``)."""
+    files = FilesDir.at(tmp_path / "files")
+    out = tmp_path / "out.jsonl"
+    run = stage_run(files, source, out)
+    summary = run_bulk(
+        run=run, files_dir=str(files.root), connection=redis_server.client(), **options
+    )
+    return summary, out
+
+
 def start_worker(server: RedisServer, *options: str) -> subprocess.Popen[bytes]:
     """``batchd bulk-worker --burst`` in a subprocess."""
     command = ["-m", "batchd.daemon.cli", "--redis-url", server.url, "bulk-worker", "--burst"]
@@ -57,12 +71,13 @@ def test_bulk_window_and_resume_after_worker_kill(
 ) -> None:
     source = write_input(tmp_path / "in.jsonl", 200, max_tokens=10)
     out = tmp_path / "out.jsonl"
-    argv = ["--redis-url", redis_server.url, "bulk", str(source), "--out", str(out)]
+    files = ["--files-dir", str(tmp_path / "files")]
+    argv = ["--redis-url", redis_server.url, "bulk", str(source), "--out", str(out), *files]
     with text_daemon(redis_server.url, token_delay_s=0.02, max_active=64) as daemon:
         assert main([*argv, "--window", "16"]) == 0
         # No fork: SIGKILL takes the run down with the worker (a forked horse would
         # live on, holding the output's lock).
-        worker = start_worker(redis_server, "--no-fork")
+        worker = start_worker(redis_server, "--no-fork", *files)
         deadline = time.monotonic() + 30
         while not out.exists() or len(out.read_bytes().splitlines()) < 60:
             assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
@@ -75,7 +90,7 @@ def test_bulk_window_and_resume_after_worker_kill(
 
         assert main([*argv, "--window", "16"]) == 0
         rerun_id = capsys.readouterr().out.split()[-1]
-        second = start_worker(redis_server)
+        second = start_worker(redis_server, *files)
         assert second.wait(timeout=60) == 0, second.stderr.read() if second.stderr else ""
 
     job = Job.fetch(rerun_id, connection=redis_server.client(), serializer=JSONSerializer)
@@ -86,7 +101,7 @@ def test_bulk_window_and_resume_after_worker_kill(
         n = record["line"]
         assert record["text"] == expected_text(f"line {n}", 10), record
         assert record["id"] == line_job_id(
-            source, n, json.dumps({"prompt": f"line {n}", "max_tokens": 10})
+            run_name(source, out), n, json.dumps({"prompt": f"line {n}", "max_tokens": 10})
         )
     assert len(daemon.started) == 200 and set(daemon.started.values()) == {1}  # none ran twice
     assert 1 < daemon.max_active <= 16
@@ -97,27 +112,26 @@ def test_bulk_window_and_resume_after_worker_kill(
 
 def test_bulk_bad_lines_and_failed_jobs(redis_server: RedisServer, tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
-    source.write_text(
-        '{"prompt": "ok", "max_tokens": 3}\n'
-        "\n"
-        "not json\n"
-        '{"prompt": "x", "temperature": -1}\n'
-        '{"prompt": "!fail", "max_tokens": 3}\n'
-        '{"prompt": "fine", "max_tokens": 2, "metadata": {"row": 6}}\n'
+    source.write_bytes(
+        b'{"prompt": "ok", "max_tokens": 3}\n'
+        b"\n"
+        b"not json\n"
+        b'{"prompt": "x", "temperature": -1}\n'
+        b'{"prompt": "!fail", "max_tokens": 3}\n'
+        b'{"prompt": "fine", "max_tokens": 2, "metadata": {"row": 6}}\n'
+        b'{"prompt": "\xff\xfe"}\n'
     )
-    out = tmp_path / "out.jsonl"
     with text_daemon(redis_server.url):
-        summary = run_bulk(
-            input_path=str(source), output_path=str(out), window=2, connection=redis_server.client()
-        )
+        summary, out = run_in_process(redis_server, tmp_path, source, window=2)
     by_line = {r["line"]: r for r in read_output(out)}
-    assert sorted(by_line) == [1, 3, 4, 5, 6]
+    assert sorted(by_line) == [1, 3, 4, 5, 6, 7]
     assert by_line[1]["text"] == "okokok"[:3] and by_line[1]["finish_reason"] == "length"
     assert "line: invalid JSON" in by_line[3]["error"]
     assert by_line[4]["error"].startswith("temperature:")
     assert "fake failure" in by_line[5]["error"] and by_line[5]["reason"] == "error"
     assert by_line[6]["metadata"] == {"row": 6}
-    assert (summary["total"], summary["done"], summary["failed"]) == (5, 5, 3)
+    assert by_line[7]["error"] == "line: not UTF-8 (byte 12)"  # one bad line, not the run
+    assert (summary["total"], summary["done"], summary["failed"]) == (6, 6, 4)
 
 
 def test_rq_worker_runs_bulk_and_progress_is_shown(
@@ -126,14 +140,20 @@ def test_rq_worker_runs_bulk_and_progress_is_shown(
     source = write_input(tmp_path / "in.jsonl", 10, max_tokens=2)
     out = tmp_path / "out.jsonl"
     conn = redis_server.client()
-    assert main(["--redis-url", redis_server.url, "bulk", str(source), "--out", str(out)]) == 0
+    argv = ["--redis-url", redis_server.url, "bulk", str(source), "--out", str(out)]
+    assert main([*argv, "--files-dir", str(tmp_path / "files")]) == 0
     job_id = capsys.readouterr().out.strip()
     job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-    assert job.kwargs["input_path"] == str(source) and job.timeout == -1
+    # The job names its run, no path; the worker's folder holds its files.
+    assert job.kwargs["run"] == run_name(source, out) and job.timeout == -1
+    assert "input_path" not in job.kwargs and "files_dir" not in job.kwargs
     stored = json.loads(zlib.decompress(conn.hget(job.key, "data") or b""))  # JSON, not pickle
     assert stored[0] == "batchd.producers.bulk.run_bulk" and stored[3]["window"] == 64
+    assert out.is_symlink() and out.resolve().parent == (tmp_path / "files").resolve()
     with text_daemon(redis_server.url):
-        SimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer).work(burst=True)
+        worker = BulkSimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer)
+        worker.files_dir = (tmp_path / "files").resolve()
+        worker.work(burst=True)
     bar = io.StringIO()
     assert follow_progress(conn, job_id, stream=bar, poll_s=0.01) is JobStatus.FINISHED
     assert f"[{'#' * 30}] 10/10 lines, 0 failed" in bar.getvalue()
@@ -141,35 +161,45 @@ def test_rq_worker_runs_bulk_and_progress_is_shown(
 
 
 def test_result_file_resumes_and_locks(tmp_path: Path) -> None:
+    files = FilesDir.at(tmp_path)
+    with ResultFile(files, "out.jsonl", run="r") as results:  # created: owner-marked
+        results.write({"line": 1})
+        results.write({"line": 4})
     out = tmp_path / "out.jsonl"
-    out.write_bytes(b'{"line": 1}\n{"line": 4}\n{"line": 7, "te')  # torn by a crash
-    with ResultFile(out) as results:
+    with out.open("ab") as torn:
+        torn.write(b'{"line": 7, "te')  # torn by a crash
+    with ResultFile(files, "out.jsonl", run="r") as results:
         assert results.done == {1, 4}
         with pytest.raises(BulkBusy):
-            ResultFile(out)
+            ResultFile(files, "out.jsonl", run="r")
         results.write({"line": 7})
-    assert out.read_bytes() == b'{"line": 1}\n{"line": 4}\n{"line":7}\n'
+    assert out.read_bytes() == b'{"line":1}\n{"line":4}\n{"line":7}\n'
 
 
-def test_line_parsing_and_ids(tmp_path: Path) -> None:
-    path = tmp_path / "in.jsonl"
-    job, _ = parse_line('{"prompt": "a"}', input_path=path, line_no=3)
-    assert job.id == line_job_id(path, 3, '{"prompt": "a"}') and job.id.startswith("bulk-3-")
-    assert line_job_id(path, 3, "x") != line_job_id(path, 4, "x") != line_job_id(path, 4, "y")
-    assert parse_line('{"prompt": "a", "id": "mine"}', input_path=path, line_no=1)[0].id == "mine"
+def test_line_parsing_and_ids() -> None:
+    job, _ = parse_line('{"prompt": "a"}', run="r", line_no=3)
+    assert job.id == line_job_id("r", 3, '{"prompt": "a"}') and job.id.startswith("bulk-3-")
+    assert line_job_id("r", 3, "x") != line_job_id("r", 4, "x") != line_job_id("r", 4, "y")
+    assert line_job_id("r", 3, "x") != line_job_id("s", 3, "x")
+    assert parse_line('{"prompt": "a", "id": "mine"}', run="r", line_no=1)[0].id == "mine"
     with pytest.raises(ValidationError, match="expected a JSON object"):
-        parse_line("[1]", input_path=path, line_no=1)
+        parse_line("[1]", run="r", line_no=1)
 
 
 def test_bulk_command_rejects_bad_input(
     redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["--redis-url", redis_server.url, "bulk"]
+    base = ["--redis-url", redis_server.url, "bulk", "--files-dir", str(tmp_path / "files")]
     assert main([*base, str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]) == 2
     assert "is not a file" in capsys.readouterr().err
     source = write_input(tmp_path / "in.jsonl", 1, max_tokens=1)
     assert main([*base, str(source), "--out", str(tmp_path / "o"), "--window", "0"]) == 2
     assert "window: must be at least 1" in capsys.readouterr().err
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine\n")
+    assert main([*base, str(source), "--out", str(taken)]) == 2  # OUT is never overwritten
+    assert "exists and is not this run's output" in capsys.readouterr().err
+    assert taken.read_text() == "mine\n"
     assert redis.Redis.from_url(redis_server.url).llen("rq:queue:batchd-bulk") == 0
 
 
@@ -182,15 +212,14 @@ def test_bulk_refuses_a_repeated_id(redis_server: RedisServer, tmp_path: Path) -
         '{"id": "other", "prompt": "ok", "max_tokens": 2}\n'
         '{"id": "same", "prompt": "second", "max_tokens": 2}\n'
     )
-    out = tmp_path / "out.jsonl"
     with text_daemon(redis_server.url):
-        run_bulk(input_path=str(source), output_path=str(out), connection=redis_server.client())
+        _, out = run_in_process(redis_server, tmp_path, source)
         by_line = {r["line"]: r for r in read_output(out)}
         assert by_line[1]["id"] == "same" and by_line[1]["text"] == "fi"
         assert by_line[3]["error"] == "id: repeats the id of line 1"
         assert by_line[3]["field"] == "id"
         # A resumed run knows line 1's id from OUT.
         kept = [r for r in read_output(out) if r["line"] != 3]
-        out.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in kept))
-        run_bulk(input_path=str(source), output_path=str(out), connection=redis_server.client())
+        out.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in kept))  # through OUT's link
+        run_in_process(redis_server, tmp_path, source)
     assert {r["line"]: r for r in read_output(out)}[3]["error"] == "id: repeats the id of line 1"

@@ -18,11 +18,12 @@ import pytest
 
 from batchd.config.settings import Settings, load_settings
 from batchd.daemon.cli import main
-from batchd.daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
+from batchd.daemon.worker.generator import Generator, JobStart
 from batchd.daemon.worker.loop import Worker
+from batchd.engine.outputs import FinishReason, RequestOutput, StepStats
 from batchd.producers.client import Client
 from batchd.producers.keys import CONSUMER_GROUP, Keys
-from batchd.producers.schema import FinishReason, JobRequest
+from batchd.producers.schema import JobRequest
 from support.redis_server import RedisServer
 
 KEYS = Keys()
@@ -33,6 +34,7 @@ class HoldingGenerator(Generator):
 
     def __init__(self) -> None:
         self.running: list[str] = []
+        self.steps = 0
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         return [ord(c) % 256 for c in request.prompt or "x"]
@@ -44,18 +46,19 @@ class HoldingGenerator(Generator):
     def abort(self, job_id: str) -> None:
         self.running.remove(job_id)
 
-    def step(self) -> list[TokenOut]:
+    def step(self) -> list[RequestOutput]:
         time.sleep(0.02)
-        return [TokenOut(job_id, 7, "x") for job_id in self.running]
+        self.steps += 1
+        return [RequestOutput(job_id, 7, "x", 0.0, self.steps - 1) for job_id in self.running]
 
     def has_work(self) -> bool:
         return bool(self.running)
 
-    def load(self) -> Load:
-        return Load(running=len(self.running), waiting=0, kv_usage=0.25)
-
-    def last_step(self) -> StepView | None:
-        return StepView(decodes=tuple(self.running))
+    def stats(self) -> StepStats:
+        # A quarter of the KV pool in use.
+        return StepStats(
+            step=self.steps, num_running=len(self.running), kv_blocks_used=1, kv_blocks_total=4
+        )
 
 
 @contextmanager
@@ -152,7 +155,9 @@ def test_top_shows_daemons_and_queues(
     assert daemon["tokens_per_s"] > 0
     assert 0 <= daemon["age_s"] < 2
     queues = {q["name"]: q for q in snapshot["queues"]}
-    assert set(queues) == {"default", "spare"}
+    # The daemon reads default's priority lane too (a stream of its own): shown, empty.
+    assert set(queues) == {"default", "default.priority", "spare"}
+    assert queues["default.priority"]["length"] == 0
     default = queues["default"]
     assert (default["length"], default["pending"], default["unread"]) == (3, 2, 1)
     assert [(c["name"], c["pending"], c["alive"]) for c in default["consumers"]] == [
@@ -174,7 +179,8 @@ def test_top_shows_daemons_and_queues(
     _, out = run_top(capsys, url, "--json")
     after = json.loads(out)
     assert after["daemons"] == []
-    assert {q["name"]: q["pending"] for q in after["queues"]} == {"default": 2, "spare": 1}
+    pending = {q["name"]: q["pending"] for q in after["queues"]}
+    assert pending == {"default": 2, "default.priority": 0, "spare": 1}
 
 
 def test_top_without_redis_exits_3(

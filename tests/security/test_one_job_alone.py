@@ -9,6 +9,7 @@ right tokens; nothing is left pending; the daemon keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import pytest
 
 from batchd.daemon.worker import pickup
-from batchd.daemon.worker.generator import JobStart, TokenOut
+from batchd.daemon.worker.generator import JobStart
+from batchd.engine.outputs import FinishReason as EngineFinish
+from batchd.engine.outputs import RequestOutput
 from batchd.producers.keys import CONSUMER_GROUP, Keys
 from batchd.producers.schema import FinishReason
 from support.daemon_harness import (
@@ -40,20 +43,22 @@ class MisbehavingGenerator(FakeGenerator):
     """Raises at admission, emits unencodable text, or emits an output no event can hold,
     by the first token of the prompt."""
 
-    def start(self, job: JobStart) -> FinishReason | None:
+    def start(self, job: JobStart) -> EngineFinish | None:
         if job.prompt_token_ids[0] == ADMIT:
             raise OverflowError("int too large to convert")
         return super().start(job)
 
-    def step(self) -> list[TokenOut]:
+    def step(self) -> list[RequestOutput]:
         outs = []
         for out in super().step():
-            seq_prompt = self._prompt_of(out.job_id)
-            if seq_prompt == ENCODE and out.token_id is not None:
-                out = TokenOut(out.job_id, out.token_id, "\ud800", out.logprob)
-            if seq_prompt == OUTPUT and out.token_id is not None:
+            seq_prompt = self._prompt_of(out.request_id)
+            if seq_prompt == ENCODE:
+                out = dataclasses.replace(out, text="\ud800", finished=False, finish_reason=None)
+            if seq_prompt == OUTPUT:
                 bad_logprob: Any = "not a number"  # an engine bug: the event cannot be built
-                out = TokenOut(out.job_id, out.token_id, out.text, bad_logprob)
+                out = dataclasses.replace(
+                    out, logprob=bad_logprob, finished=False, finish_reason=None
+                )
             outs.append(out)
         return outs
 

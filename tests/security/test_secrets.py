@@ -216,18 +216,18 @@ def test_a_bad_url_setting_does_not_print_the_password() -> None:
     assert SECRET not in proc.stderr
 
 
-def _producer_acl_from_readme() -> list[str]:
-    """The README's producer-only command list (the backticked run after "narrower
-    still:"), so the documented user is the one tested."""
-    text = " ".join((ROOT / "README.md").read_text().split())
+def _producer_acl_from_docs() -> list[str]:
+    """The security page's producer-only command list (the backticked run after
+    "narrower still:", docs/security.md), so the documented user is the one tested."""
+    text = " ".join((ROOT / "docs" / "security.md").read_text().split())
     _, _, after = text.partition("A producer-only service can be narrower still: `")
     commands, _, _ = after.partition("`")
-    assert commands.startswith("+"), "README: the producer-only command list is missing"
+    assert commands.startswith("+"), "docs/security.md: the producer-only command list is missing"
     return commands.split()
 
 
 def test_the_documented_producer_user_submits_follows_and_cancels(tmp_path: Path) -> None:
-    """A producer service given only the README's producer commands on batchd's keys
+    """A producer service given only the documented producer commands on batchd's keys
     cancels a queued job, submits (one job, several), follows jobs to their results
     and reads a status, while a daemon serves as the full batchd user. The scripts' own
     commands (EXISTS, HMGET...) are checked by Redis against that user too; the script
@@ -236,7 +236,7 @@ def test_the_documented_producer_user_submits_follows_and_cancels(tmp_path: Path
     try:
         admin = server.client()
         admin.execute_command("ACL", "SETUSER", "batchd", *BATCHD_ACL)
-        producer_acl = ["on", ">pw", "~batchd:*", "-@all", *_producer_acl_from_readme()]
+        producer_acl = ["on", ">pw", "~batchd:*", "-@all", *_producer_acl_from_docs()]
         admin.execute_command("ACL", "SETUSER", "producer", *producer_acl)
         admin.script_flush()
         url = f"redis://batchd:{SECRET}@127.0.0.1:{server.port}/0"

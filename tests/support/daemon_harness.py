@@ -3,6 +3,7 @@ daemons, and checks on what Redis holds for a job."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,17 +20,11 @@ import orjson
 import redis
 
 from batchd.config.settings import Settings, load_settings
-from batchd.daemon.worker.generator import (
-    Generator,
-    JobRejected,
-    JobStart,
-    Load,
-    StepView,
-    TokenOut,
-)
+from batchd.daemon.worker.generator import Generator, JobRejected, JobStart
 from batchd.daemon.worker.loop import Worker
+from batchd.engine.outputs import ChunkKind, ChunkStat, FinishReason, RequestOutput, StepStats
 from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, Keys, seq_of
-from batchd.producers.schema import Event, FinishReason, JobRequest, JobStatus
+from batchd.producers.schema import Event, JobRequest, JobStatus, job_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 # Token ids an uninterrupted in-process run gives each job dict (the `reference` fixture).
@@ -51,6 +46,45 @@ def fast_settings(redis_url: str, **daemon: Any) -> Settings:
 
 
 # -- a deterministic engine without MLX ------------------------------------------------------
+
+
+def token_output(
+    job_id: str,
+    token_id: int,
+    text: str,
+    *,
+    index: int,
+    finish: FinishReason | None = None,
+    error: str | None = None,
+) -> RequestOutput:
+    """An engine output of a fake engine: token ``index`` of a job (its request)."""
+    return RequestOutput(
+        request_id=job_id,
+        token_id=token_id,
+        text=text,
+        logprob=-1.0,
+        index=index,
+        finished=finish is not None,
+        finish_reason=finish,
+        error=error,
+    )
+
+
+def step_stats(
+    step: int, *, decodes: Sequence[str] = (), prefills: Sequence[tuple[str, int]] = ()
+) -> StepStats:
+    """A fake engine step's figures: its decodes and prefill chunks (job id, tokens)."""
+    chunks = [ChunkStat(j, ChunkKind.decode, 0, 1) for j in decodes]
+    chunks += [ChunkStat(j, ChunkKind.prefill, 0, n) for j, n in prefills]
+    prefill = sum(n for _, n in prefills)
+    return StepStats(
+        step=step,
+        num_scheduled_tokens=len(decodes) + prefill,
+        num_prefill_tokens=prefill,
+        num_decode_tokens=len(decodes),
+        num_seqs=len(chunks),
+        chunks=chunks,
+    )
 
 
 def fake_token(prompt: Sequence[int], seed: int | None, position: int) -> int:
@@ -83,7 +117,7 @@ class FakeGenerator(Generator):
     waiting: list[_FakeSeq] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
-    _view: StepView | None = None
+    _stats: StepStats = field(default_factory=lambda: StepStats(step=0))
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -95,6 +129,8 @@ class FakeGenerator(Generator):
 
     def start(self, job: JobStart) -> FinishReason | None:
         seed, max_tokens = job.request.seed, job.request.max_tokens
+        if seed == job_seed(job.job_id):
+            seed = None  # the seed every unseeded job gets: its fake tokens stay as before
         if len(job.emitted) >= max_tokens:
             return FinishReason.length
         self.started.append(job.job_id)
@@ -108,45 +144,34 @@ class FakeGenerator(Generator):
         self.running = [s for s in self.running if s.job_id != job_id]
         self.waiting = [s for s in self.waiting if s.job_id != job_id]
 
-    def step(self) -> list[TokenOut]:
+    def step(self) -> list[RequestOutput]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.pop(0))
-        prefills = tuple((s.job_id, len(s.prompt)) for s in self.running if not s.prefilled)
-        decodes = tuple(s.job_id for s in self.running if s.prefilled)
-        self._view = StepView(decodes=decodes, prefills=prefills)
+        prefills = [(s.job_id, len(s.prompt)) for s in self.running if not s.prefilled]
+        decodes = [s.job_id for s in self.running if s.prefilled]
         outs = []
         for seq in list(self.running):
             seq.prefilled = True
-            token = fake_token(seq.prompt, seq.seed, len(seq.outputs))
+            index = len(seq.outputs)
+            token = fake_token(seq.prompt, seq.seed, index)
             seq.outputs.append(token)
             done = len(seq.outputs) >= seq.max_tokens
             if done:
                 self.running.remove(seq)
-            outs.append(
-                TokenOut(
-                    seq.job_id,
-                    token,
-                    f"{token} ",
-                    logprob=-1.0,
-                    finish_reason=FinishReason.length if done else None,
-                )
-            )
+            finish = FinishReason.length if done else None
+            outs.append(token_output(seq.job_id, token, f"{token} ", index=index, finish=finish))
+        self._stats = step_stats(self._stats.step + 1, decodes=decodes, prefills=prefills)
         return outs
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def load(self) -> Load:
-        return Load(
-            running=len(self.running),
-            waiting=len(self.waiting),
-            kv_usage=0.0,
-        )
-
-    def last_step(self) -> StepView | None:
-        return self._view
+    def stats(self) -> StepStats:
+        """The last step's batch; the load as it is now."""
+        running, waiting = len(self.running), len(self.waiting)
+        return dataclasses.replace(self._stats, num_running=running, num_waiting=waiting)
 
 
 def expected_fake_tokens(prompt: Sequence[int], seed: int | None, max_tokens: int) -> list[int]:
@@ -191,7 +216,9 @@ def worker_thread(
 
 
 class DaemonProcess:
-    """``batchd serve`` in a subprocess with a TOML config and extra environment."""
+    """``batchd serve`` in a subprocess with a TOML config and extra environment;
+    ``faults`` (options of :mod:`support.faulty_serve`, e.g. ``["--crash", "decode:3"]``)
+    serve it with a fault built in."""
 
     def __init__(
         self,
@@ -202,17 +229,25 @@ class DaemonProcess:
         env: dict[str, str] | None = None,
         consumer: str | None = None,
         extra_args: Sequence[str] = (),
+        faults: Sequence[str] = (),
     ) -> None:
-        args = [sys.executable, "-m", "batchd.daemon.cli", "--config", str(config), "serve"]
-        args += ["--model", str(model), *extra_args]
+        args = [sys.executable, "-m", "batchd.daemon.cli"]
+        if faults:
+            args = [sys.executable, "-m", "support.faulty_serve", *faults, "--"]
+        args += ["--config", str(config), "serve", "--model", str(model), *extra_args]
         if consumer:
             args += ["--consumer-name", consumer]
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in wait()
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
+        if faults:  # the fault module lives beside this one
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p
+            )
         full_env.update(env or {})
+        # Run from the test's own folder: the daemon must not need the checkout's.
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+            args, cwd=log_path.parent, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
     def wait_serving(self, timeout: float = 60) -> DaemonProcess:
@@ -316,10 +351,7 @@ def crash_then_resume(
     config = daemon_config(log_dir, redis_url, publish_interval_ms=0)
     enqueue(client, keys, job)
     crashed = DaemonProcess(
-        config,
-        model=model,
-        log_path=log_dir / "crashed.log",
-        env={"BATCHD_TEST_CRASH_AT": f"decode:{cut}"},
+        config, model=model, log_path=log_dir / "crashed.log", faults=["--crash", f"decode:{cut}"]
     )
     assert crashed.wait(60) == -signal.SIGKILL, crashed.log_tail()
     at_crash = events_of(client, keys, job["id"])

@@ -10,15 +10,17 @@ tested against the daemon they will meet, not a copy of its protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from batchd.daemon.worker.generator import Generator, JobStart, Load, StepView, TokenOut
-from batchd.producers.schema import FinishReason, JobRequest
-from support.daemon_harness import fast_settings, worker_thread
+from batchd.daemon.worker.generator import Generator, JobStart
+from batchd.engine.outputs import FinishReason, RequestOutput, StepStats
+from batchd.producers.schema import JobRequest
+from support.daemon_harness import fast_settings, step_stats, token_output, worker_thread
 
 
 def prompt_text(job: JobRequest) -> str:
@@ -72,26 +74,31 @@ class TextGenerator(Generator):
     def abort(self, job_id: str) -> None:
         self.running.pop(job_id, None)
 
-    def step(self) -> list[TokenOut]:
+    def step(self) -> list[RequestOutput]:
         if self.token_delay_s:
             time.sleep(self.token_delay_s)
         outs = []
         for run in list(self.running.values()):
             char = run.text[run.emitted % len(run.text)]
-            run.emitted += 1
-            failing = run.text.startswith("!fail")
-            done = failing or run.emitted >= run.max_tokens
-            reason = FinishReason.error if failing else FinishReason.length
-            outs.append(
-                TokenOut(
-                    run.job_id,
-                    ord(char),
-                    char,
-                    logprob=-1.0,
-                    finish_reason=reason if done else None,
-                    error="fake failure" if failing else None,
+            index = run.emitted
+            if run.text.startswith("!fail") and index > 0:
+                # The engine's error output: the sequence ends, its token is no output.
+                outs.append(
+                    token_output(
+                        run.job_id,
+                        ord(char),
+                        "",
+                        index=index,
+                        finish=FinishReason.error,
+                        error="fake failure",
+                    )
                 )
-            )
+                del self.running[run.job_id]
+                continue
+            run.emitted += 1
+            done = run.emitted >= run.max_tokens and not run.text.startswith("!fail")
+            finish = FinishReason.length if done else None
+            outs.append(token_output(run.job_id, ord(char), char, index=index, finish=finish))
             if done:
                 del self.running[run.job_id]
         return outs
@@ -99,11 +106,9 @@ class TextGenerator(Generator):
     def has_work(self) -> bool:
         return bool(self.running)
 
-    def load(self) -> Load:
-        return Load(running=len(self.running), waiting=0, kv_usage=0.0)
-
-    def last_step(self) -> StepView | None:
-        return StepView(decodes=tuple(self.running))
+    def stats(self) -> StepStats:
+        stats = step_stats(0, decodes=list(self.running))
+        return dataclasses.replace(stats, num_running=len(self.running))
 
 
 @contextmanager

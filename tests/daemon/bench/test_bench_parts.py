@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
 import json
 import os
@@ -42,6 +44,7 @@ from batchd.daemon.bench.workloads import (
     poisson_arrivals,
     shared_prefix,
 )
+from batchd.engine.config import EngineConfig
 from batchd.engine.models.model_fixture import PRESETS
 from batchd.engine.outputs import StepStats
 from support.redis_server import RedisServer, free_port
@@ -290,18 +293,61 @@ def test_redis_failing_mid_run_ends_the_queue_run_alone(tmp_path: Path) -> None:
     assert "could not delete the keys round-2:*" in said.getvalue()
 
 
+def _every_option_changed() -> EngineConfig:
+    """An engine config with every option away from its default (a valid whole)."""
+    changed = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_prefill_tokens_with_decodes": 4,
+        "prefill_fills_row_tile": False,
+        "block_size": 32,
+        "num_kv_blocks": 300,
+        "kv_tokens_per_seq": 512,
+        "kv_memory_fraction": 0.25,
+        "enable_chunked_prefill": True,  # needed by the prefill bound; the default
+        "enable_prefix_caching": False,
+        "enable_preemption": False,
+        "aging_rate": 0.5,
+        "max_model_len": 2048,
+        "dtype": "bfloat16",
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new option"
+    return EngineConfig(**changed)
+
+
+def test_every_engine_option_reaches_batchd_in_the_bench(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the settings (here BATCHD_ENGINE__* variables) through the command's options to
+    the engine each run builds: nothing re-listed, nothing dropped."""
+    from batchd.daemon.bench.engine_system import bench_engine_config
+    from batchd.daemon.commands.bench import bench_engine
+
+    wanted = _every_option_changed()
+    for name, value in dataclasses.asdict(wanted).items():
+        monkeypatch.setenv(f"BATCHD_ENGINE__{name.upper()}", str(value))
+    args = argparse.Namespace(max_num_seqs=None)
+    engine = bench_engine(args, Settings())
+    assert engine == wanted
+    run = bench_engine_config(engine, longest_request=100, max_prefill_tokens_with_decodes=16)
+    assert run == dataclasses.replace(wanted, max_prefill_tokens_with_decodes=16)
+    # --max-num-seqs on top, with a step budget that lets them all decode.
+    wider = bench_engine(argparse.Namespace(max_num_seqs=100), Settings())
+    assert (wider.max_num_seqs, wider.max_num_batched_tokens, wider.block_size) == (100, 100, 32)
+    # Unset, the pool holds every running sequence whole (no preemption in a run).
+    sized = bench_engine_config(
+        EngineConfig(max_num_seqs=4), longest_request=100, max_prefill_tokens_with_decodes=None
+    )
+    assert sized.num_kv_blocks == 4 * (7 + 1) + 64
+
+
 def test_the_queue_daemon_gets_the_in_process_engine_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Field by field, the row-tile switch included: both sides must run the same schedule."""
+    """Field by field: both sides must run the same schedule on the same pool."""
+    engine = _every_option_changed()
     settings = SystemSettings(
-        model_path=Path("unused"),
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        scale=SCALES["tiny"],
-        vocab_size=1000,
-        max_prefill_tokens_with_decodes=4,
-        prefill_fills_row_tile=False,
+        model_path=Path("unused"), engine=engine, scale=SCALES["tiny"], vocab_size=1000
     )
     workload = mixed(scale=SCALES["tiny"], vocab_size=1000)
     systems = type("Systems", (), {"settings": settings, "warmup_for": lambda self, w: w})()
@@ -310,7 +356,4 @@ def test_the_queue_daemon_gets_the_in_process_engine_settings(
         if name.startswith(("BATCHD_ENGINE__", "BATCHD_DAEMON__")):
             monkeypatch.setenv(name, value)
     assert Settings().daemon.metrics_port == 9123  # where the bench reads its publish times
-    engine = Settings().engine
-    assert engine.prefill_fills_row_tile is False
-    assert engine.max_prefill_tokens_with_decodes == 4
-    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (8, 64)
+    assert Settings().engine == engine

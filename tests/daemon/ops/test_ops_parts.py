@@ -12,7 +12,6 @@ import orjson
 import pytest
 
 from batchd.config.secrets import redact
-from batchd.daemon.ops.faults import EngineFailure, EngineFaults
 from batchd.daemon.ops.notify import Notifier, watchdog_period_s
 from batchd.daemon.ops.supervisor import Supervisor
 from batchd.producers.telemetry import TEXT_FORMAT, JsonFormatter, RedactingFormatter
@@ -66,16 +65,6 @@ def test_supervisor_pings_at_half_the_period_and_status_once_a_second() -> None:
     statuses = [lines for lines in sent if "STATUS=busy" in lines]
     assert sent[0] == ("READY=1", "STATUS=serving")
     assert len(pings) == 3 and len(statuses) == 1
-
-
-def test_engine_faults() -> None:
-    faults = EngineFaults("raise:2")
-    faults.stepped()
-    with pytest.raises(EngineFailure):
-        faults.stepped()
-    with pytest.raises(ValueError, match="unknown fault"):
-        EngineFaults("explode:1")
-    EngineFaults(None).stepped()
 
 
 def logger_to(stream: io.StringIO, formatter: logging.Formatter) -> logging.Logger:

@@ -1,8 +1,8 @@
 """``batchd serve`` under a fake systemd: READY, STATUS, WATCHDOG only while the loop turns.
 
 The daemon runs as a subprocess on the tiny model with ``NOTIFY_SOCKET`` pointed
-at a datagram socket of the test; ``BATCHD_TEST_ENGINE_FAULT`` makes its engine
-hang or fail after a number of steps.
+at a datagram socket of the test; support.faulty_serve makes its engine hang or fail
+after a number of steps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from batchd.daemon.worker.loop import EXIT_STALLED
+from batchd.daemon.fleet.heartbeat import EXIT_STALLED
 from batchd.producers.keys import Keys
 from support.daemon_harness import DaemonProcess, daemon_config, enqueue, wait_until
 from support.redis_server import RedisServer
@@ -78,22 +78,20 @@ def start(
     redis_server: RedisServer,
     tiny_model: Path,
     listener: NotifyListener,
-    fault: str,
+    fault: list[str],
 ) -> DaemonProcess:
-    env = {
-        "NOTIFY_SOCKET": str(listener.path),
-        "WATCHDOG_USEC": str(WATCHDOG_USEC),
-        "BATCHD_TEST_ENGINE_FAULT": fault,
-    }
+    env = {"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
     config = daemon_config(tmp_path, redis_server.url)
-    return DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log", env=env)
+    return DaemonProcess(
+        config, model=tiny_model, log_path=tmp_path / "d.log", env=env, faults=fault
+    )
 
 
 def test_watchdog_pings_while_idle_and_busy_and_stop_when_the_engine_hangs(
     tmp_path: Path, redis_server: RedisServer, tiny_model: Path, listener: NotifyListener
 ) -> None:
     client = redis_server.client()
-    daemon = start(tmp_path, redis_server, tiny_model, listener, "hang:250")
+    daemon = start(tmp_path, redis_server, tiny_model, listener, ["--hang", "250"])
     try:
         ready = listener.first("READY=1", timeout=60)
         wait_until(lambda: len(listener.times("WATCHDOG=1", after=ready)) >= 3, what="idle pings")
@@ -126,7 +124,7 @@ def test_an_engine_that_dies_exits_non_zero(
     tmp_path: Path, redis_server: RedisServer, tiny_model: Path, listener: NotifyListener
 ) -> None:
     client = redis_server.client()
-    daemon = start(tmp_path, redis_server, tiny_model, listener, "raise:3")
+    daemon = start(tmp_path, redis_server, tiny_model, listener, ["--raise", "3"])
     try:
         listener.first("READY=1", timeout=60)
         enqueue(client, KEYS, {"id": "x", "prompt_token_ids": [5, 6, 7], "max_tokens": 20})
@@ -145,9 +143,11 @@ def test_a_hung_engine_exits_by_itself_where_no_watchdog_watches(
 ) -> None:
     """Under launchd (or a bare shell) nobody sends SIGABRT: the stall rule exits non-zero."""
     client = redis_server.client()
-    env = {"NOTIFY_SOCKET": str(listener.path), "BATCHD_TEST_ENGINE_FAULT": "hang:20"}
+    env = {"NOTIFY_SOCKET": str(listener.path)}
     config = daemon_config(tmp_path, redis_server.url, stall_timeout_s=2.0)
-    daemon = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log", env=env)
+    daemon = DaemonProcess(
+        config, model=tiny_model, log_path=tmp_path / "d.log", env=env, faults=["--hang", "20"]
+    )
     try:
         listener.first("READY=1", timeout=60)
         enqueue(client, KEYS, {"id": "w", "prompt_token_ids": [5, 6, 7], "max_tokens": 100})

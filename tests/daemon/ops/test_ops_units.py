@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 
 SYSTEMD = Path(__file__).resolve().parents[3] / "systemd"
-UNITS = ("batchd.service", "batchd@.service", "batchd-bulk-worker.service")
-INSTALLED_BATCHD = "/opt/batchd/.venv/bin/batchd"
+UNITS = (
+    "batchd.service",
+    "batchd@.service",
+    "batchd-bulk-worker.service",
+    "batchd-gateway.service",
+)
+INSTALLED_BATCHD = "/opt/batchd/bin/batchd"
 
 
 def unit(name: str) -> configparser.ConfigParser:
@@ -55,7 +60,26 @@ def test_daemon_units_are_supervised_and_confined(name: str) -> None:
     assert service["EnvironmentFile"].startswith("-/etc/batchd/")
     assert service["User"] == "batchd" and service["ProtectSystem"] == "strict"
     assert service["ProtectHome"] == "true" and service["NoNewPrivileges"] == "true"
-    assert service["StateDirectory"] == "batchd"
+    assert service["StateDirectory"] == "batchd" and service["CacheDirectory"] == "batchd"
+    assert "WorkingDirectory" not in service  # every command works from any directory
+
+
+def test_gateway_unit_is_supervised_and_confined_like_the_daemon() -> None:
+    service = unit("batchd-gateway.service")["Service"]
+    assert service["ExecStart"].split()[:2] == [INSTALLED_BATCHD, "gateway"]
+    assert "--log-format json" in service["ExecStart"]
+    assert service["Restart"] == "on-failure" and service["RestartPreventExitStatus"] == "2"
+    assert service["User"] == "batchd" and service["StateDirectory"] == "batchd"
+    daemon = unit("batchd.service")["Service"]
+    hardening = [k for k in daemon if k.startswith(("Protect", "Restrict", "Private"))]
+    hardening += ["NoNewPrivileges", "LockPersonality", "CapabilityBoundingSet", "UMask"]
+    for key in hardening:
+        assert service.get(key) == daemon[key], key
+    # The keys come from a private environment file, never the unit or the command line.
+    assert "api-key" not in service["ExecStart"]
+    text = (SYSTEMD / "batchd-gateway.service").read_text()
+    assert "EnvironmentFile=-/etc/batchd/gateway.env" in text
+    assert "WorkingDirectory" not in service
 
 
 def test_template_instances_read_their_own_settings() -> None:
@@ -75,3 +99,4 @@ def test_plist_runs_batchd_serve_and_restarts_only_on_failure() -> None:
     assert plist["ThrottleInterval"] >= 5 and plist["ExitTimeOut"] > 30
     assert plist["StandardErrorPath"] and plist["StandardOutPath"]
     assert plist["EnvironmentVariables"]["BATCHD_CONFIG"].endswith(".toml")
+    assert "WorkingDirectory" not in plist

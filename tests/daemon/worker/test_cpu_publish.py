@@ -1,6 +1,6 @@
 """A daemon whose engine computes on the CPU waits for each publish round trip between
-steps instead of running it beside the next step (batchd.daemon.worker.loop: there the engine's
-threads take every core). Real engine (tiny model), real redis-server."""
+steps instead of running it beside the next step (batchd.daemon.worker.cadence: there
+the engine's threads take every core). Real engine (tiny model), real redis-server."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_an_engine_on_the_cpu_settles_each_pipeline_before_its_next_step(
         step = worker.gen.step
 
         def long_step() -> Any:
-            overlapped.append(worker.pipeline_in_flight)
+            overlapped.append(worker.cadence.in_flight)
             time.sleep(0.015)  # long enough to be overlapped off the CPU
             return step()
 

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 from test_serve import ChannelRecorder
 
 from batchd.producers.client import Client
-from batchd.producers.keys import CONSUMER_GROUP, Keys
-from batchd.producers.schema import JobState
+from batchd.producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
+from batchd.producers.schema import JobState, job_seed
 from support.daemon_harness import (
     DaemonProcess,
     Reference,
@@ -63,25 +64,36 @@ CRASHES = [
 ]
 
 
-def test_kill9_at_five_moments_loses_nothing(
-    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
-) -> None:
-    jobs = mixed_jobs(30, prefix="k", seed=2, max_tokens=(20, 120))
-    expected = reference(jobs)
+def _crashes_then_finish(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    tiny_model: Path,
+    expected: dict[str, list[int]],
+    crashes: list[tuple[list[str], str | None]],
+    *,
+    final_faults: list[str] | None = None,
+) -> str:
+    """One daemon per crash (its support.faulty_serve options, its consumer name: None
+    for host:pid), each of which must die by SIGKILL, then a last daemon that finishes
+    every job. Every job must equal ``expected`` and no subscriber may see a seq twice;
+    returns every daemon's log."""
     recorder = ChannelRecorder(redis_server.url)
     config = daemon_config(tmp_path, redis_server.url, max_deliveries=20)
-    _submit(redis_server.url, jobs)
-    for n, (moment, consumer) in enumerate(CRASHES):
+    logs = []
+    for n, (faults, consumer) in enumerate(crashes):
         daemon = DaemonProcess(
             config,
             model=tiny_model,
             log_path=tmp_path / f"d{n}.log",
-            env={"BATCHD_TEST_CRASH_AT": moment},
+            faults=faults,
             consumer=consumer,
         )
-        rc = daemon.wait(60)
-        assert rc == -signal.SIGKILL, f"{moment}: exit {rc}\n{daemon.log_tail()}"
-    final = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "final.log")
+        rc = daemon.wait(90)
+        logs.append(daemon.log_path.read_text())
+        assert rc == -signal.SIGKILL, f"{faults}: exit {rc}\n{daemon.log_tail()}"
+    final = DaemonProcess(
+        config, model=tiny_model, log_path=tmp_path / "final.log", faults=final_faults or []
+    )
     try:
         _check(redis_server, expected)
     finally:
@@ -91,8 +103,85 @@ def test_kill9_at_five_moments_loses_nothing(
     for job_id in expected:
         seqs = recorder.seqs[job_id]
         assert seqs == sorted(set(seqs)), f"{job_id}: a subscriber saw a duplicate"
-    logs = "".join((tmp_path / f"d{n}.log").read_text() for n in range(len(CRASHES)))
-    assert "resumed at seq" in logs + (tmp_path / "final.log").read_text()
+    return "".join(logs) + final.log_path.read_text()
+
+
+def test_kill9_at_five_moments_loses_nothing(
+    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
+) -> None:
+    jobs = mixed_jobs(30, prefix="k", seed=2, max_tokens=(20, 120))
+    expected = reference(jobs)
+    _submit(redis_server.url, jobs)
+    crashes = [(["--crash", moment], consumer) for moment, consumer in CRASHES]
+    logs = _crashes_then_finish(tmp_path, redis_server, tiny_model, expected, crashes)
+    assert "resumed at seq" in logs
+
+
+def test_unseeded_sampled_job_killed_mid_run_streams_one_run(
+    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
+) -> None:
+    """Temperature-1 jobs without a seed (half from the client, half XADDed raw as a
+    JSON-Schema producer would) survive two kill -9s mid-run: each samples with
+    job_seed(id), so the resumed run equals an uninterrupted one and every token a
+    subscriber read before a crash is the final one at its seq."""
+    jobs = [
+        {"id": f"u{i}", "prompt_token_ids": [5 + i, 17, 33, 71], "max_tokens": 120}
+        for i in range(8)
+    ]
+    for job in jobs:
+        job["temperature"] = 1.0
+    expected = reference([{**job, "seed": job_seed(job["id"])} for job in jobs])
+    assert len({tuple(tokens) for tokens in expected.values()}) == len(jobs)
+    _submit(redis_server.url, jobs[:4])
+    raw = redis_server.client()
+    for job in jobs[4:]:
+        raw.xadd(KEYS.queue(), {JOB_FIELD: orjson.dumps(job)})
+    recorder = ChannelRecorder(redis_server.url)
+    crashes = [
+        (["--crash", "decode:25"], "stable"),
+        (["--crash", "decode:40"], None),
+    ]
+    try:
+        logs = _crashes_then_finish(tmp_path, redis_server, tiny_model, expected, crashes)
+    finally:
+        recorder.close()
+    assert "resumed at seq" in logs
+    for job_id, tokens in expected.items():
+        read = recorder.tokens.get(job_id, [])
+        assert read, f"{job_id}: no subscriber saw it run"
+        assert all(tokens[seq] == token for seq, token in read), f"{job_id}: mixed runs"
+
+
+# The path an engine off the CPU (a GPU) takes: each step's publish runs on the publishing
+# thread beside the next step (steps made to last 12 ms, over the overlap rule's floor).
+OVERLAPPED = ["--overlap-ms", "12"]
+
+
+def test_kill9_while_a_publish_is_in_flight_loses_and_doubles_nothing(
+    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
+) -> None:
+    """Daemons on the overlapped publish path are killed with a pipeline in flight: Redis
+    ran it, the daemon never saw its replies, and the next step had added tokens to the
+    outboxes meanwhile. Before each kill, dozens of pipelines were settled after a step
+    that ran beside them (what a daemon that kept a token of the wrong flush, or dropped
+    one added during the flight, gets wrong); a restarted daemon then finishes every job
+    on the same path. Every job ends exactly as an uninterrupted run, gap-free, no
+    subscriber sees a seq twice, and no daemon ever finds a stream that does not end
+    where it believes (that would be a publish it lost track of). A daemon killed by the
+    in_flight point was killed on the publishing thread: its pipelines really ran beside
+    a step."""
+    jobs = mixed_jobs(24, prefix="f", seed=6, max_tokens=(40, 120))
+    expected = reference(jobs)
+    _submit(redis_server.url, jobs)
+    crashes = [
+        ([*OVERLAPPED, "--crash", "in_flight:30"], "stable"),
+        ([*OVERLAPPED, "--crash", "in_flight:60"], None),
+    ]
+    logs = _crashes_then_finish(
+        tmp_path, redis_server, tiny_model, expected, crashes, final_faults=OVERLAPPED
+    )
+    assert "resumed at seq" in logs
+    assert "does not end at seq" not in logs
 
 
 def test_second_daemon_takes_over_only_after_the_heartbeat_expires(
@@ -193,3 +282,63 @@ def test_redis_restart_mid_run(
         assert daemon.wait(30) == 0, daemon.log_tail()
     log = daemon.log_path.read_text()
     assert "redis unreachable" in log and "redis is back" in log
+
+
+POISON_TOKEN = 999
+
+
+def _ended_or_died(daemon: DaemonProcess, client: Any, ids: list[str]) -> bool:
+    """Wait until every job ended (True) or the daemon died (False)."""
+    while daemon.proc.poll() is None:
+        states = [client.hget(KEYS.job(job_id), "state") for job_id in ids]
+        if all(state in (b"finished", b"failed") for state in states):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_poison_is_the_job_that_crashes_alone_not_its_batch(
+    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
+) -> None:
+    """16 innocent long jobs and one poison job (support.faulty_serve --poison: the engine
+    dies at the first step after it entered, batched or alone). Daemons die by the poison
+    and by 6 kills from outside (--crash decode:40); each is replaced by a new one. Every
+    innocent job completes with its uninterrupted tokens; the poison job alone is
+    dead-lettered, once it crashed the engine while running by itself."""
+    innocent = [
+        {"id": f"i{i}", "prompt_token_ids": [7 + i, 40, 41], "max_tokens": 150, "ignore_eos": True}
+        for i in range(16)
+    ]
+    expected = reference(innocent)
+    poison = {"id": "poison", "prompt_token_ids": [5, POISON_TOKEN, 6], "max_tokens": 50}
+    _submit(redis_server.url, [*innocent[:8], poison, *innocent[8:]])
+    client = redis_server.client()
+    config = daemon_config(tmp_path, redis_server.url)
+    ids = [job["id"] for job in innocent] + ["poison"]
+    outside_kills = poison_crashes = 0
+    for n in range(40):
+        faults = ["--poison", str(POISON_TOKEN)]
+        if outside_kills < 6:
+            faults += ["--crash", "decode:40"]
+        daemon = DaemonProcess(
+            config, model=tiny_model, log_path=tmp_path / f"d{n}.log", faults=faults
+        )
+        if _ended_or_died(daemon, client, ids):
+            daemon.signal(signal.SIGTERM)
+            assert daemon.wait(30) == 0, daemon.log_tail()
+            break
+        assert daemon.wait(5) == -signal.SIGKILL, daemon.log_tail()
+        if "poison job poison crashes the engine" in daemon.log_path.read_text():
+            poison_crashes += 1
+        else:
+            outside_kills += 1
+    assert outside_kills == 6, (outside_kills, poison_crashes)
+    done = wait_final(client, KEYS, ids, timeout=10)
+    for job_id, tokens in expected.items():
+        assert token_ids(done[job_id]) == tokens, job_id
+        assert status_of(client, KEYS, job_id).state is JobState.finished, job_id
+    final = done["poison"][-1]
+    assert final.finish_reason is not None and final.finish_reason.value == "error"
+    assert "while running this job alone" in (final.error or ""), final.error
+    dead: Any = client.xrange(KEYS.dead)
+    assert [fields[b"id"] for _, fields in dead] == [b"poison"]

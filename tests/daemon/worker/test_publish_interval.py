@@ -176,4 +176,4 @@ def test_unset_the_interval_follows_where_the_engine_computes(
     settings = fast_settings(redis_server.url)
     assert settings.daemon.publish_interval_ms is None
     with worker_thread(settings, partial(FakeGenerator, steps_use_cpu=on_cpu)) as worker:
-        assert worker.publish_interval_s == interval_s
+        assert worker.cadence.interval_s == interval_s

@@ -10,12 +10,12 @@ from typing import Any
 
 import jsonschema
 
-from batchd.daemon.bench.constrained import NESTED_SCHEMA
 from batchd.engine import LLMEngine, SamplingParams
 from batchd.engine.constraints import Constraint
 from batchd.producers.schema import FinishReason, validate_job
 from support.daemon_harness import crash_then_resume, drain
 from support.redis_server import RedisServer
+from support.schemas import NESTED_SCHEMA
 
 CUT = 20
 JOB: dict[str, Any] = {

@@ -35,6 +35,8 @@ class ChannelRecorder:
         self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         self.pubsub.psubscribe(KEYS.tokens_pattern)
         self.seqs: dict[str, list[int]] = {}
+        # Each job's token events as a subscriber read them: (seq, token id).
+        self.tokens: dict[str, list[tuple[int, int]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -45,7 +47,10 @@ class ChannelRecorder:
             if message is None:
                 continue
             job_id = message["channel"].decode().split(":")[2]
-            self.seqs.setdefault(job_id, []).append(Event.decode(message["data"]).seq)
+            event = Event.decode(message["data"])
+            self.seqs.setdefault(job_id, []).append(event.seq)
+            if event.token_id is not None:
+                self.tokens.setdefault(job_id, []).append((event.seq, event.token_id))
 
     def close(self) -> None:
         self._stop.set()

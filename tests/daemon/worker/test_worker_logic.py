@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from batchd.daemon.ops.observer import Ops
-from batchd.daemon.worker.loop import OVERLAP_MIN_STEP_S
+from batchd.daemon.worker.cadence import OVERLAP_MIN_STEP_S
 from batchd.daemon.worker.publisher import Flush
 from batchd.producers.client import Client
 from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
@@ -195,13 +195,32 @@ def test_final_event_without_ack_is_only_repaired(redis_server: RedisServer) -> 
     assert gen.started == []
 
 
-def test_poison_job_is_dead_lettered(redis_server: RedisServer) -> None:
+def test_a_job_delivered_many_times_runs_alone_and_completes(redis_server: RedisServer) -> None:
+    """Deliveries alone never make a job poison (a daemon killed mid-batch takes every
+    job of the batch with it): a job delivered 4 times runs by itself and completes."""
     client = redis_server.client()
     _pending_for_dead_consumer(client, {"id": "p1", "prompt": "x", "max_tokens": 2}, reads=3)
     with worker_thread(fast_settings(redis_server.url, max_deliveries=3), FakeGenerator):
         events = wait_final(client, KEYS, ["p1"], timeout=10)["p1"]
+    assert events[-1].finish_reason is FinishReason.length
+    assert client.hget(KEYS.job("p1"), "alone_delivery") == b"4"
+    assert client.xlen(KEYS.dead) == 0
+
+
+def test_poison_job_is_dead_lettered(redis_server: RedisServer) -> None:
+    """Its status says an earlier delivery started it alone and no event came after: the
+    daemon died while running it alone. The second such crash dead-letters it."""
+    client = redis_server.client()
+    _pending_for_dead_consumer(client, {"id": "p1", "prompt": "x", "max_tokens": 2}, reads=3)
+    client.hset(
+        KEYS.job("p1"),
+        mapping={"alone_delivery": "3", "alone_from": "0", "alone_crashes": "1"},
+    )
+    with worker_thread(fast_settings(redis_server.url, max_deliveries=3), FakeGenerator):
+        events = wait_final(client, KEYS, ["p1"], timeout=10)["p1"]
     assert events[-1].finish_reason is FinishReason.error
-    assert events[-1].error is not None and "poison: delivered 4 times" in events[-1].error
+    error = events[-1].error or ""
+    assert "poison: the daemon died 2 times while running this job alone" in error
     dead: Any = client.xrange(KEYS.dead)
     assert [fields[b"id"] for _, fields in dead] == [b"p1"]
 
@@ -216,7 +235,7 @@ def test_live_daemons_long_job_is_never_claimed(redis_server: RedisServer) -> No
         with worker_thread(settings, FakeGenerator, consumer="b") as b:
             # 2.5 s: many heartbeat TTLs and claim passes, the entry idle all along.
             events = wait_final(client, KEYS, ["long"], timeout=20)["long"]
-            assert not b.jobs
+            assert not b.held
     assert len(token_ids(events)) == 250
     assert status_of(client, KEYS, "long").daemon == "a"
 
@@ -290,7 +309,7 @@ def test_a_long_step_runs_while_the_last_steps_pipeline_is_in_flight(
         step = worker.gen.step
 
         def observed_step() -> Any:
-            overlapped.append(worker.pipeline_in_flight)
+            overlapped.append(worker.cadence.in_flight)
             return step()
 
         worker.gen.step = observed_step  # type: ignore[method-assign]

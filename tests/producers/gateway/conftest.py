@@ -18,8 +18,10 @@ import pytest
 import redis
 import uvicorn
 
+from batchd.config.sections import GatewaySettings
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.serving.server import uvicorn_config
 from support.daemon_harness import DaemonProcess, daemon_config
 from support.redis_server import RedisServer, free_port
 
@@ -38,12 +40,16 @@ class Gateway:
 
 
 @contextmanager
-def run_gateway(redis_url: str, options: GatewayOptions) -> Iterator[Gateway]:
-    """The gateway app in uvicorn on a thread; stopped on exit."""
+def run_gateway(
+    redis_url: str, options: GatewayOptions, server_settings: GatewaySettings | None = None
+) -> Iterator[Gateway]:
+    """The gateway app in uvicorn on a thread, configured as `batchd gateway` configures
+    it (``server_settings``' bounds: header timeout, connection limit...); stopped on exit."""
     port = free_port()
-    config = uvicorn.Config(
-        create_app(redis_url, options), host="127.0.0.1", port=port, log_level="warning"
+    settings = (server_settings or GatewaySettings()).model_copy(
+        update={"host": "127.0.0.1", "port": port}
     )
+    config = uvicorn_config(create_app(redis_url, options), settings, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()

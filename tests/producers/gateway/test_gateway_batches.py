@@ -15,7 +15,8 @@ import pytest
 import redis
 from rq.registry import StartedJobRegistry
 
-from batchd.producers.bulk import run_bulk
+from batchd.producers.bulk import run_bulk, stage_run
+from batchd.producers.bulk_files import FilesDir
 from batchd.producers.bulk_worker import bulk_worker, rq_queue
 from batchd.producers.gateway.options import GatewayOptions
 from support.daemon_harness import wait_until
@@ -42,9 +43,11 @@ def start_batch(oai: openai.OpenAI, tmp_path: Path, lines: list[dict[str, Any]])
     )
 
 
-def run_worker(redis_url: str) -> None:
-    """One burst of `batchd bulk-worker --no-fork` (in this thread: rq wants the main one)."""
-    assert bulk_worker(redis.Redis.from_url(redis_url), burst=True, fork=False)
+def run_worker(gateway: Any) -> None:
+    """One burst of `batchd bulk-worker --no-fork` on the gateway's files folder (in this
+    thread: rq wants the main one)."""
+    conn = redis.Redis.from_url(gateway.redis_url)
+    assert bulk_worker(conn, files_dir=gateway.options.files_dir, burst=True, fork=False)
 
 
 def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
@@ -53,7 +56,7 @@ def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> N
     lines.append(chat_line("two", "prompt 2", max_tokens=5, temperature=0, n=2))
     batch = start_batch(oai, tmp_path, lines)
     assert batch.status == "validating"
-    run_worker(gateway.redis_url)
+    run_worker(gateway)
     done = oai.batches.retrieve(batch.id)
     assert done.status == "completed", done
     assert done.request_counts is not None
@@ -74,14 +77,17 @@ def test_batch_end_to_end(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> N
     assert body["choices"][0]["message"]["content"] == online.choices[0].message.content
     assert body["usage"]["completion_tokens"] == 5
     errors = [orjson.loads(x) for x in oai.files.content(done.error_file_id).text.splitlines()]
-    assert errors[0]["custom_id"] == "bad" and "best_of" in errors[0]["error"]["message"]
+    refused = errors[0]["response"]
+    assert errors[0]["custom_id"] == "bad" and refused["status_code"] == 400
+    assert refused["body"]["error"]["param"] == "best_of"
+    assert "best_of" in refused["body"]["error"]["message"]
 
 
 def test_batch_cancelled_before_it_runs(gateway: Any, oai: openai.OpenAI, tmp_path: Path) -> None:
     lines = [chat_line(f"c-{i}", "long", max_tokens=50) for i in range(3)]
     batch = start_batch(oai, tmp_path, lines)
     assert oai.batches.cancel(batch.id).status == "cancelling"
-    run_worker(gateway.redis_url)
+    run_worker(gateway)
     ended = oai.batches.retrieve(batch.id)
     assert ended.status == "cancelled" and ended.request_counts is not None
     assert (ended.request_counts.total, ended.request_counts.completed) == (3, 0)
@@ -91,7 +97,9 @@ def test_batchd_bulk_takes_an_openai_batch_file(gateway: Any, tmp_path: Path) ->
     source = batch_file(tmp_path / "in.jsonl", [chat_line("a", "hi", max_tokens=3)])
     out = tmp_path / "out.jsonl"
     conn = redis.Redis.from_url(gateway.redis_url)
-    summary = run_bulk(input_path=str(source), output_path=str(out), connection=conn)
+    files = FilesDir.at(tmp_path / "files")
+    run = stage_run(files, source, out)
+    summary = run_bulk(run=run, files_dir=str(files.root), connection=conn)
     assert summary["done"] == 1 and summary["failed"] == 0
     record = orjson.loads(out.read_bytes())
     assert record["custom_id"] == "a" and record["finish_reason"] == "length"
@@ -110,7 +118,8 @@ def test_batch_resumes_after_its_worker_is_killed(
     added = int(conn.xinfo_stream("batchd:queue:default")["entries-added"])
     batch = start_batch(oai, tmp_path, lines)
     command = [sys.executable, "-m", "batchd.daemon.cli", "--redis-url", gateway.redis_url]
-    worker = subprocess.Popen([*command, "bulk-worker", "--burst", "--no-fork"])
+    folder = ["--files-dir", str(gateway.options.files_dir)]
+    worker = subprocess.Popen([*command, "bulk-worker", "--burst", "--no-fork", *folder])
 
     def counts() -> Any:
         return oai.batches.retrieve(batch.id).request_counts
@@ -120,7 +129,7 @@ def test_batch_resumes_after_its_worker_is_killed(
     worker.wait(10)
     assert counts().completed < 8, "the batch ended before the kill: make it longer"
     StartedJobRegistry(queue=rq_queue(conn)).cleanup(time.time() + 10**6)  # rq: abandoned
-    run_worker(gateway.redis_url)
+    run_worker(gateway)
     done = oai.batches.retrieve(batch.id)
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (8, 0)
@@ -135,7 +144,7 @@ def test_batch_past_its_window_expires(gateway: Any, oai: openai.OpenAI, tmp_pat
     batch = start_batch(oai, tmp_path, lines)
     conn = redis.Redis.from_url(gateway.redis_url)
     conn.hset(f"batchd:gateway:batch:{batch.id}", "expires_at", orjson.dumps(int(time.time()) - 1))
-    run_worker(gateway.redis_url)
+    run_worker(gateway)
     ended = oai.batches.retrieve(batch.id)
     assert ended.status == "expired" and ended.error_file_id is not None
     errors = [orjson.loads(x) for x in oai.files.content(ended.error_file_id).text.splitlines()]

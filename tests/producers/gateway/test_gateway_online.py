@@ -48,7 +48,15 @@ def test_text_completion_equals_batchd_submit(
         model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0
     )
     assert reply.object == "text_completion" and reply.choices[0].finish_reason == "length"
-    argv = ["--redis-url", gateway.redis_url, "submit", "Once upon a time", "--max-tokens", "10"]
+    argv = [
+        "--redis-url",
+        gateway.redis_url,
+        "submit",
+        "--raw",
+        "Once upon a time",
+        "--max-tokens",
+        "10",
+    ]
     assert cli_main([*argv, "--wait", "--json"]) == 0
     assert orjson.loads(capsys.readouterr().out)["text"] == reply.choices[0].text
 
@@ -94,7 +102,7 @@ def test_n_choices_whole_and_streamed(
     assert all(c.choices[0].delta.role == "assistant" for c in firsts)
     text = oai.completions.create(model=MODEL, prompt="Tell", **options)
     assert len({c.text for c in text.choices}) > 1
-    argv = ["--redis-url", gateway.redis_url, "submit", "Tell", "--max-tokens", "6"]
+    argv = ["--redis-url", gateway.redis_url, "submit", "--raw", "Tell", "--max-tokens", "6"]
     assert (
         cli_main([*argv, "--temperature", "1", "--seed", "9", "-n", "3", "--wait", "--json"]) == 0
     )
@@ -112,7 +120,15 @@ def test_prompt_logprobs_as_vllm_shapes_them(
     shaped = [c.model_extra["prompt_logprobs"] for c in text.choices]  # type: ignore[index]
     assert shaped[0] == shaped[1] and shaped[0][0] is None and len(shaped[0]) > 2
     assert all(len(p) == 1 and list(p.values())[0]["logprob"] <= 0 for p in shaped[0][1:])
-    argv = ["--redis-url", gateway.redis_url, "submit", "Once upon a time", "--max-tokens", "2"]
+    argv = [
+        "--redis-url",
+        gateway.redis_url,
+        "submit",
+        "--raw",
+        "Once upon a time",
+        "--max-tokens",
+        "2",
+    ]
     assert cli_main([*argv, "--prompt-logprobs", "--wait", "--json"]) == 0
     printed = orjson.loads(capsys.readouterr().out)["prompt_logprobs"]
     via_gateway = [(int(token), e["logprob"]) for p in shaped[0][1:] for token, e in p.items()]
@@ -170,7 +186,11 @@ def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
             "response_format",
         ),
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"n": 129}, "n"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 10**6}, "max_tokens"),
     ],
@@ -197,7 +217,16 @@ def test_auth_and_health(gateway: Any) -> None:
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     health = httpx.get(f"{gateway.url}/health").json()
-    assert health == {"status": "ok", "redis": True, "daemons": 1, "queue": "default", "backlog": 0}
+    assert health == {
+        "status": "ok",
+        "redis": True,
+        "daemons": 1,
+        "models": [MODEL],
+        "queue": "default",
+        "backlog": 0,
+        "bulk_workers": 0,
+    }
+    assert httpx.get(f"{gateway.url}/health/live").json() == {"status": "ok"}
 
 
 def test_chat_on_a_model_without_a_chat_template_is_a_400(
@@ -283,3 +312,16 @@ def test_json_schema_response_format_holds_the_output_to_the_schema(oai: openai.
     content = reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop", content
     jsonschema.validate(json.loads(content or ""), schema)
+
+
+def test_a_chat_without_max_tokens_gets_the_gateways_default(
+    redis_url: str, daemon: Any, tmp_path: Path, start_gateway: Any
+) -> None:
+    options = GatewayOptions(files_dir=tmp_path, default_max_tokens=5)
+    with start_gateway(redis_url, options) as gw:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0)
+        with_n = client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
+    assert reply.usage is not None and reply.usage.completion_tokens <= 5
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert with_n.usage is not None and with_n.usage.completion_tokens <= 10

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from batchd.config.limits import LimitSettings
 from batchd.producers.gateway.errors import APIError
-from batchd.producers.gateway.params import chat_request, completion_request
+from batchd.producers.gateway.params import chat_request, completion_request, fill_max_tokens
 
 
 def chat(**body: Any) -> Any:
@@ -73,3 +74,49 @@ def test_neutral_values_are_accepted() -> None:
         best_of=1, frequency_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u"
     )
     assert "best_of" not in mapped.job
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"temperature": 5}, "temperature", "integer above maximum value. Expected a value <= 2"),
+        ({"temperature": 2.5}, "temperature", "decimal above maximum value"),
+        ({"top_p": -0.1}, "top_p", "decimal below minimum value. Expected a value >= 0"),
+        ({"presence_penalty": 2.01}, "presence_penalty", "above maximum"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "below minimum"),
+        ({"n": 0}, "n", "below minimum"),
+        ({"n": 200}, "n", "<= 128"),
+        ({"n": 17}, "n", "above 16 is not supported"),
+        ({"max_tokens": 0}, "max_tokens", "below minimum"),
+        ({"temperature": "hot"}, "temperature", "must be a number"),
+        ({"seed": 1.5}, "seed", "must be an integer"),
+    ],
+)
+def test_openai_ranges_are_enforced_in_openai_words(
+    body: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(APIError) as caught:
+        chat(**body)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert words in caught.value.message
+
+
+def test_range_edges_are_accepted_and_top_p_zero_is_greedy() -> None:
+    mapped = chat(temperature=2, top_p=1, presence_penalty=-2, frequency_penalty=2, n=16)
+    assert mapped.job["temperature"] == 2 and mapped.job["n"] == 16
+    greedy = chat(top_p=0, temperature=0.7)
+    assert greedy.job["temperature"] == 0.0 and "top_p" not in greedy.job
+
+
+def test_default_max_tokens_is_held_to_the_cap_and_the_context() -> None:
+    limits = LimitSettings(max_tokens_cap=4096)
+    job: dict[str, Any] = {"n": 8}
+    fill_max_tokens(job, default=1024, limits=limits, context=None)
+    assert job["max_tokens"] == 512  # n sequences share the cap
+    job = {}
+    fill_max_tokens(job, default=1024, limits=limits, context=600)
+    assert job["max_tokens"] == 599
+    job = {"max_tokens": 7}
+    fill_max_tokens(job, default=1024, limits=limits, context=600)
+    assert job["max_tokens"] == 7  # given: never touched
+    assert "max_tokens" not in chat().job  # chat leaves it to the gateway's default

@@ -1,8 +1,10 @@
 """Structured output's cost: the mixed workload with 0%, 25% and 100% of its requests
 constrained to a nested JSON schema, in alternating rounds of one process.
 
-    python -m batchd.daemon.bench.constrained [--model PATH] [--rounds 3] [--requests 32]
-    python -m batchd.daemon.bench.constrained --mask-time [--model PATH]
+From the tests folder (the schema is the tests'):
+
+    cd tests && python -m measure.constrained [--model PATH] [--rounds 3] [--requests 32]
+    cd tests && python -m measure.constrained --mask-time [--model PATH]
 
 Without --model it builds the ``bench-small`` fixture (vocabulary 32,000). Every
 request samples (temperature 1, seeded); unconstrained ones ignore EOS and run to
@@ -15,53 +17,20 @@ step (the engine's call, bits unpacked) along random allowed tokens until the JS
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from batchd.engine import EngineConfig, LLMEngine, SamplingParams
-from batchd.engine.constraints import Constraint, GrammarTokenizer
+from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.models.loader import load
+from support.schemas import nested_constraint
 
-# Objects, arrays, enums, bounded numbers, required fields. multipleOf bounds the digits
-# of a number, and maxLength every string, so a random-weight model's JSON always ends;
-# 0.25 is exact in binary (jsonschema's float check refuses 0.59 as a multiple of 0.01).
-NESTED_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "scores": {
-            "type": "array",
-            "items": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
-            "minItems": 1,
-            "maxItems": 3,
-        },
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "role", "scores", "address"],
-    "additionalProperties": False,
-}
 FRACTIONS = (0.0, 0.25, 1.0)
-
-
-def nested_constraint() -> Constraint:
-    return Constraint("json_schema", json.dumps(NESTED_SCHEMA))
 
 
 def run_mix(
@@ -91,9 +60,7 @@ def run_mix(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m batchd.daemon.bench.constrained", description=__doc__
-    )
+    p = argparse.ArgumentParser(prog="python -m measure.constrained", description=__doc__)
     p.add_argument("--model", type=Path, help="model directory (default: bench-small fixture)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=32)

@@ -1,10 +1,11 @@
 """The gateway's overhead: the same requests through the OpenAI gateway and through the
 Python client, against one daemon, in alternating rounds.
 
-``python -m batchd.daemon.bench.gateway`` starts a private redis-server, a ``batchd
-serve`` daemon on the tiny model and a ``batchd gateway``, all as separate
-processes as in production, then runs ``--requests`` short greedy completions
-with ``--concurrency`` in flight, first with :class:`batchd.producers.aio.AsyncClient`
+``cd tests && python -m measure.gateway [--model NAME]`` starts a private
+redis-server, a ``batchd serve`` daemon on ``--model`` (default: the tiny preset) and a
+``batchd gateway``, all as separate processes as in production, then runs
+``--requests`` short greedy completions with ``--concurrency`` in flight, first with
+:class:`batchd.producers.aio.AsyncClient`
 (submit + result), then with ``openai.AsyncOpenAI`` through the gateway, for
 ``--rounds`` rounds each. It prints requests/s and latency (p50, p90) of both
 paths and their ratios: the gateway's cost is HTTP, JSON, the extra process
@@ -31,23 +32,25 @@ import orjson
 from batchd.daemon.redis_server import RedisServer, free_port
 from batchd.producers.aio import AsyncClient
 
-MODEL_DIR = Path(".batchd/models/tiny")
 PROMPT = "Once upon a time, request {i}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m batchd.daemon.bench.gateway", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m measure.gateway", description=__doc__)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--model", default="tiny", help="preset, model folder or .gguf file (default: tiny)"
+    )
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="batchd-bench-gw-") as tmp:
         server = RedisServer(Path(tmp) / "redis").start()
         procs: list[subprocess.Popen[bytes]] = []
         try:
             port = free_port()
-            procs.append(_batchd(server.url, tmp, "daemon", "serve", "--model", str(_model())))
+            procs.append(_batchd(server.url, tmp, "daemon", "serve", "--model", _model(args.model)))
             procs.append(_batchd(server.url, tmp, "gateway", "gateway", "--port", str(port)))
             base = f"http://127.0.0.1:{port}"
             _wait_live(base, procs)
@@ -61,10 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _model() -> Path:
-    from batchd.engine.models.registry import ensure_preset
+def _model(model: str) -> str:
+    """The model folder, built or converted into the model cache once, before any timing."""
+    from batchd.engine.models.registry import resolve_model
 
-    return ensure_preset("tiny", path=MODEL_DIR).resolve()
+    return resolve_model(model)
 
 
 def _batchd(redis_url: str, tmp: str, name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -105,7 +109,7 @@ async def _compare(redis_url: str, base_url: str, args: argparse.Namespace) -> d
 
     async def through_gateway(i: int) -> None:
         await gateway.completions.create(
-            model=MODEL_DIR.name,
+            model=args.model,
             prompt=PROMPT.format(i=i),
             max_tokens=args.max_tokens,
             temperature=0,

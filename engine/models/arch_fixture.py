@@ -1,0 +1,160 @@
+"""Tiny random-weight models of any mlx-lm architecture, for the generic path's tests.
+
+A fixture is an ordinary model directory (config.json, safetensors, the byte-level
+BPE tokenizer of batchd.engine.models.model_fixture), built from mlx-lm's own
+ModelArgs and Model: hidden 64, 2 layers, 4 heads over 2 KV heads, vocabulary
+1024. Weights are seeded; the output head is scaled so the logits spread like a
+trained model's (near-ties rare, as model_fixture explains).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from batchd.engine.models.model_fixture import BOS, EOS, build_tokenizer
+
+VOCAB = 1024
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": VOCAB,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+# A window shorter than the tests' prompts, so the window decides outputs.
+WINDOW = 24
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+
+# Per architecture: what mlx-lm's ModelArgs needs beyond the base shape.
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 16, "tie_word_embeddings": True},
+    "gemma2": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": WINDOW,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_text": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 10000.0,
+        "rope_global_base_freq": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "phi3": {},
+    "qwen3_moe": {
+        **_MOE,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "tie_word_embeddings": True,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "olmo2": {},
+    "granite": {
+        "logits_scaling": 2.0,
+        "attention_multiplier": 0.25,
+        "embedding_multiplier": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "starcoder2": {"norm_epsilon": 1e-5, "use_bias": True},
+    "glm4": {"partial_rotary_factor": 0.5, "attention_bias": True},
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "olmo3": {
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}
+
+
+def arch_config(arch: str) -> dict[str, Any]:
+    """The config.json of the ``arch`` fixture (without token ids)."""
+    return {"model_type": arch, **_BASE, **ARCH_CONFIGS[arch]}
+
+
+def build_model(config: dict[str, Any], *, seed: int = 0) -> Any:
+    """mlx-lm's Model for ``config`` with seeded random float32 weights."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+
+    def draw(path: str, value: mx.array) -> mx.array:
+        if "norm" in path or value.ndim < 2:
+            return value  # norms, biases and scales keep mlx-lm's init
+        return mx.array((rng.standard_normal(value.shape) * 0.15).astype(np.float32))
+
+    model.update(tree_map_with_path(draw, model.parameters()))
+    _spread_logits(model, rng)
+    return model
+
+
+def _spread_logits(model: Any, rng: np.random.Generator) -> None:
+    """Scale the output head (or the tied embedding) until the logits' spread is ~4."""
+    probe = mx.array(rng.integers(4, VOCAB, size=(1, 32)), dtype=mx.int32)
+    named = dict(tree_flatten(model.parameters()))
+    head = next((k for k in named if k.endswith("lm_head.weight")), None)
+    head = head or next((k for k in named if k.endswith("embed_tokens.weight")), None)
+    if head is None:
+        return
+    for _ in range(3):
+        std = float(np.std(np.array(model(probe))))
+        if not np.isfinite(std) or std == 0:
+            break
+        named = dict(tree_flatten(model.parameters()))
+        model.load_weights([(head, named[head] * (4.0 / std))], strict=False)
+
+
+def make_arch_model(out_dir: str | Path, arch: str, *, seed: int = 0) -> Path:
+    """Write the ``arch`` fixture's model directory; returns its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = build_tokenizer(VOCAB, seed, out)
+    config = arch_config(arch) | {
+        "bos_token_id": ids[BOS],
+        "eos_token_id": ids[EOS],
+        "pad_token_id": ids[EOS],
+    }
+    model = build_model(config, seed=seed)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def mlx_lm_has(arch: str) -> bool:
+    """Whether the installed mlx-lm implements ``arch``."""
+    try:
+        importlib.import_module(f"mlx_lm.models.{arch}")
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,43 @@
+"""The Redis keys the dashboard itself writes (the protocol's are in batchd.producers.keys).
+
+==================================  ======  =================================================
+key                                 type    holds
+==================================  ======  =================================================
+<prefix>:dashboard:audit            stream  one entry per operator action: who, what, outcome
+<prefix>:dashboard:redrives         hash    ``entry:<dead entry id>`` and ``job:<new id>``
+                                            -> the re-drive's JSON record (new job, old job,
+                                            who, note, when)
+<prefix>:control:<consumer>         hash    a daemon's requested state: ``intake`` (paused or
+                                            open), ``drain`` (1), ``at``, ``by``
+==================================  ======  =================================================
+
+Under ``control:``, not ``daemon:``: ``batchd top`` and the claim scripts read every
+``daemon:*`` key as a heartbeat.
+"""
+
+from __future__ import annotations
+
+import re
+
+from batchd.producers.keys import Keys
+
+AUDIT_MAXLEN = 10_000
+
+
+def audit_stream(keys: Keys) -> str:
+    return f"{keys.prefix}:dashboard:audit"
+
+
+def redrives(keys: Keys) -> str:
+    return f"{keys.prefix}:dashboard:redrives"
+
+
+def control(keys: Keys, consumer: str) -> str:
+    """Consumer names are free text (``host:pid`` by default): callers name only a live
+    daemon's, read from its heartbeat key."""
+    return f"{keys.prefix}:control:{consumer}"
+
+
+def glob_escape(text: str) -> str:
+    """``text`` matched literally by a SCAN MATCH pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

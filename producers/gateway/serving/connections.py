@@ -1,0 +1,85 @@
+"""The gateway's Redis connections: bounded, checked, and back by themselves after a restart.
+
+- **Commands** (submit, cancel, status, records) share one *blocking* pool of
+  ``redis_max_connections``: a burst of requests waits up to ``redis_pool_timeout_s`` for
+  a free connection instead of failing with "too many connections".
+- **Every command is retried** on a connection error or timeout, reconnecting, with a
+  backoff of at most :data:`RETRY_CAP_S`, for about ``redis_retry_s``: a connection
+  left stale by a Redis restart or a failover is replaced on first use, and an outage
+  shorter than that fails no request. Idle connections are also checked (PING) before
+  use every :data:`HEALTH_CHECK_S`. The retried writes are idempotent (submit attaches
+  to its own job id, records are whole-field sets).
+- **Events reads** (:class:`~batchd.producers.gateway.hub.Hub`) have their own
+  connection, which blocks; the hub retries by itself.
+- **rq** (the Batch API) gets a blocking client, used from worker threads only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from batchd.producers.gateway.options import GatewayOptions
+
+RETRY_CAP_S = 0.25
+RETRY_BASE_S = 0.01
+HEALTH_CHECK_S = 5
+CONNECT_TIMEOUT_S = 5.0
+COMMAND_TIMEOUT_S = 10.0
+RETRIED = [redis.ConnectionError, redis.TimeoutError]
+
+
+def retries(retry_s: float) -> int:
+    """Attempts after the first that cover about ``retry_s`` seconds of backoff."""
+    if retry_s <= 0:
+        return 0
+    ramp = math.ceil(math.log2(RETRY_CAP_S / RETRY_BASE_S))  # the attempts below the cap
+    return ramp + math.ceil(retry_s / RETRY_CAP_S)
+
+
+def commands(redis_url: str, options: GatewayOptions) -> aioredis.Redis:
+    """The pooled client for every short command."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=options.redis_max_connections,
+        timeout=options.redis_pool_timeout_s,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=COMMAND_TIMEOUT_S,
+        health_check_interval=HEALTH_CHECK_S,
+        retry=AsyncRetry(
+            ExponentialBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), retries(options.redis_retry_s)
+        ),
+        retry_on_error=RETRIED,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def reader(redis_url: str, *, block_ms: int) -> aioredis.Redis:
+    """The hub's connection: its reads block for up to ``block_ms``; no retry of its own."""
+    pool = aioredis.ConnectionPool.from_url(
+        redis_url,
+        max_connections=2,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=block_ms / 1000 + COMMAND_TIMEOUT_S,
+        retry=AsyncRetry(NoBackoff(), 0),
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def blocking(redis_url: str, options: GatewayOptions) -> redis.Redis:
+    """A blocking client (rq and the file sweeper run in threads), retried the same way."""
+    return redis.Redis.from_url(
+        redis_url,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=COMMAND_TIMEOUT_S,
+        health_check_interval=HEALTH_CHECK_S,
+        retry=Retry(
+            ExponentialBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), retries(options.redis_retry_s)
+        ),
+        retry_on_error=RETRIED,
+    )

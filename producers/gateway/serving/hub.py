@@ -1,0 +1,308 @@
+"""One reader for the events streams of every job a gateway answers.
+
+A job followed on its own holds a Redis connection for its whole life (its ``XREAD
+BLOCK``): a thousand open streams would need a thousand connections. The hub follows
+them all with one: a single ``XREAD BLOCK`` names every followed job's stream (from the
+next seq each expects, so nothing is skipped or repeated: :class:`EventCursor`) plus the
+hub's own wake stream, on which a new subscription ``XADD``\\s so that the blocked read
+returns and starts following it at once.
+
+It keeps the follower's promises (:mod:`batchd.producers.follow`): a job whose status
+says it ended without a final event gets one made from its status, a job with neither a
+status nor an event for ``missing_timeout_s`` fails with JobNotFound, and a lost
+connection is retried (backing off to ``retry_max_s``) and caught up from the last seq;
+only an outage longer than ``outage_timeout_s`` fails the jobs followed. A failure that
+belongs to one job (a gap in its stream) fails that job alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from batchd.producers.errors import JobNotFound, ProtocolError
+from batchd.producers.follow import EventCursor, read_reply
+from batchd.producers.keys import Keys
+from batchd.producers.schema import Event, JobStatus
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 512
+WAKE_MAXLEN = 16
+WAKE_TTL_MS = 60_000
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Subscription:
+    """One followed job: its events, in order, ending with the final one."""
+
+    def __init__(self, job_id: str, keys: Keys) -> None:
+        self.cursor = EventCursor(job_id, keys)
+        self._queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        self.closed = False
+
+    @property
+    def job_id(self) -> str:
+        return self.cursor.job_id
+
+    async def get(self, timeout: float | None = None) -> Event | None:
+        """The next event; None when ``timeout`` seconds pass first. Raises what ended
+        the follow (JobNotFound, ProtocolError, a Redis error after a long outage)."""
+        try:
+            if timeout is None:
+                item = await self._queue.get()
+            else:
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event up to and including the final one."""
+        while True:
+            event = await self.get()
+            assert event is not None
+            yield event
+            if event.final:
+                return
+
+    def deliver(self, item: Event | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+class Hub:
+    """Follows jobs for many requests over ``conn`` (a connection of its own: it blocks);
+    wakes go through ``pooled``. Run :meth:`run` as a task while the gateway serves."""
+
+    def __init__(
+        self,
+        conn: aioredis.Redis,
+        pooled: aioredis.Redis,
+        keys: Keys,
+        *,
+        block_ms: int = 1000,
+        status_interval_s: float = 1.0,
+        missing_timeout_s: float = 10.0,
+        outage_timeout_s: float = 60.0,
+        retry_max_s: float = 0.25,
+    ) -> None:
+        self.conn = conn
+        self.pooled = pooled
+        self.keys = keys
+        self.block_ms = block_ms
+        self.status_interval_s = status_interval_s
+        self.missing_timeout_s = missing_timeout_s
+        self.outage_timeout_s = outage_timeout_s
+        self.retry_max_s = retry_max_s
+        self.wake_key = f"{keys.prefix}:gateway:wake:{secrets.token_hex(8)}"
+        self._wake_id = "0-0"
+        self._subs: dict[str, Subscription] = {}
+        self._added = asyncio.Event()
+        self._blocked = False
+        self._woken = False
+        self._stopping = False
+        self.outage_since: float | None = None
+
+    @property
+    def followed(self) -> int:
+        return len(self._subs)
+
+    @asynccontextmanager
+    async def subscribe(self, job_id: str) -> AsyncIterator[Subscription]:
+        """Follow ``job_id`` for the duration of the block."""
+        sub = Subscription(job_id, self.keys)
+        key = sub.cursor.events_key
+        self._subs[key] = sub
+        self._added.set()
+        try:
+            await self._wake()
+            yield sub
+        finally:
+            sub.closed = True
+            if self._subs.get(key) is sub:
+                del self._subs[key]
+
+    async def _wake(self) -> None:
+        """End the blocked read so that it names the new stream (one wake per read; a
+        read cannot be cancelled midway: redis-py waits it out)."""
+        if not self._blocked or self._woken:
+            return
+        self._woken = True
+        try:
+            pipe = self.pooled.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
+            pipe.pexpire(self.wake_key, WAKE_TTL_MS)
+            await pipe.execute()
+        except OUTAGE_ERRORS:  # the read ends by itself within block_ms
+            self._woken = False
+
+    def stop(self) -> None:
+        """Make :meth:`run` return (also when a cancelled read ends in an error)."""
+        self._stopping = True
+
+    async def run(self) -> None:
+        """Read for every subscription until :meth:`stop` (or cancelled)."""
+        attempt = 0
+        while not self._stopping:
+            if not self._subs:
+                self._added.clear()
+                await self._added.wait()
+                continue
+            try:
+                await self._check_status()
+                await self._read()
+            except OUTAGE_ERRORS as exc:
+                if self._stopping:  # a cancelled read can end as a timeout
+                    return
+                attempt += 1
+                await asyncio.sleep(self._outage(exc, attempt))
+                continue
+            except redis.ResponseError as exc:
+                attempt += 1
+                if str(exc).startswith("UNBLOCKED"):  # a failover ended the read
+                    await asyncio.sleep(self._outage(exc, attempt))
+                else:
+                    self._fail_all(exc)
+                    await asyncio.sleep(self.retry_max_s)
+                continue
+            except Exception as exc:  # a bug: fail the requests, keep serving
+                log.exception("events read failed")
+                self._fail_all(exc)
+                await asyncio.sleep(self.retry_max_s)
+                continue
+            if self.outage_since is not None:
+                log.info("events reads resumed after %.1f s", time.monotonic() - self.outage_since)
+            self.outage_since, attempt = None, 0
+
+    def _outage(self, exc: BaseException, attempt: int) -> float:
+        """Note a failed read; the pause before the next. Past ``outage_timeout_s`` every
+        job followed fails with ``exc``."""
+        now = time.monotonic()
+        if self.outage_since is None:
+            self.outage_since = now
+            log.warning("events reads failing: %s", type(exc).__name__)
+        elif now - self.outage_since > self.outage_timeout_s:
+            self._fail_all(exc)
+        return float(min(self.retry_max_s, 0.02 * 2 ** (attempt - 1)))
+
+    async def _read(self) -> None:
+        streams: dict[Any, Any] = {self.wake_key: self._wake_id}
+        streams.update({key: sub.cursor.last_id for key, sub in self._subs.items()})
+        self._blocked, self._woken = True, False
+        try:
+            raw = await self.conn.xread(streams, count=READ_COUNT, block=self.block_ms)
+        finally:
+            self._blocked = False
+        self._route(read_reply(raw))
+
+    def _route(self, reply: dict[str, list[Any]]) -> None:
+        now = time.monotonic()
+        for key, entries in reply.items():
+            if key == self.wake_key:
+                if entries:
+                    last = entries[-1][0]
+                    self._wake_id = last.decode() if isinstance(last, bytes) else str(last)
+                continue
+            sub = self._subs.get(key)
+            if sub is None:
+                continue
+            sub.cursor.quiet_since = now
+            try:
+                events = sub.cursor.accept(entries)
+            except ProtocolError as exc:
+                self._drop(key, exc)
+                continue
+            for event in events:
+                sub.deliver(event)
+            if sub.cursor.done:
+                del self._subs[key]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for key in list(self._subs):
+            self._drop(key, exc)
+
+    def _drop(self, key: str, exc: BaseException) -> None:
+        sub = self._subs.pop(key, None)
+        if sub is not None:
+            sub.deliver(exc)
+
+    async def _check_status(self) -> None:
+        """Status hashes of the jobs quiet for ``status_interval_s`` (and of new ones):
+        a job that ended without a final event gets one from its status."""
+        now = time.monotonic()
+        every = self.status_interval_s
+        due = [
+            (key, sub)
+            for key, sub in self._subs.items()
+            if not sub.cursor.status_checked or now - sub.cursor.quiet_since >= every
+        ]
+        if not due:
+            return
+        pipe = self.conn.pipeline(transaction=False)
+        for _, sub in due:
+            pipe.hgetall(sub.cursor.status_key)
+        hashes = await pipe.execute()
+        ended = []
+        for (key, sub), data in zip(due, hashes, strict=True):
+            cursor = sub.cursor
+            cursor.status_checked, cursor.quiet_since = True, now
+            if data:
+                cursor.missing_since = None
+            elif cursor.missing_since is None:
+                cursor.missing_since = now
+            elif now - cursor.missing_since >= self.missing_timeout_s:
+                self._drop(key, JobNotFound(cursor.job_id))
+                continue
+            status = _status_or_none(data)
+            if status is not None and status.state.terminal:
+                cursor.ended = status
+                ended.append(key)
+        if ended:
+            await self._end_from_status(ended)
+
+    async def _end_from_status(self, keys: list[str]) -> None:
+        """Read the ended jobs' streams to their end (the daemon writes the final event
+        before the status); those with no final event get one made from the status."""
+        left = [k for k in keys if k in self._subs]
+        while left:
+            streams: dict[Any, Any] = {key: self._subs[key].cursor.last_id for key in left}
+            reply = read_reply(await self.conn.xread(streams, count=READ_COUNT))
+            self._route(reply)
+            full = {k for k, entries in reply.items() if len(entries) >= READ_COUNT}
+            for key in [k for k in left if k not in full and k in self._subs]:
+                sub = self._subs.pop(key)
+                sub.deliver(sub.cursor.final_from_status())
+            left = [k for k in left if k in full and k in self._subs]
+
+
+def _status_or_none(data: dict[Any, Any]) -> JobStatus | None:
+    try:
+        return JobStatus.from_hash(data) if data else None
+    except ValueError:
+        return None
+
+
+@contextlib.asynccontextmanager
+async def running(hub: Hub) -> AsyncIterator[Hub]:
+    """``hub`` reading on a task for the duration of the block."""
+    task = asyncio.ensure_future(hub.run())
+    try:
+        yield hub
+    finally:
+        hub.stop()
+        with contextlib.suppress(*OUTAGE_ERRORS):
+            await hub._wake()  # end the read in flight now, not at its block's end
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,129 @@
+"""The documentation's examples run as written: its marked Python blocks, and the shell
+producer docs/examples/produce.sh.
+
+A Python block preceded by ``<!-- test: NAME -->`` runs with the README's check of that
+name (tests/test_readme_examples.py: one private redis-server and a real ``batchd
+serve`` on the tiny model for all of them), or with a check below for the examples the
+README does not have. The only changes made to an example are the addresses (Redis URL,
+gateway URL) and, for the OpenAI example, the model's name (the tiny model's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import test_readme_examples as readme
+import uvicorn
+
+from batchd.producers.client import Client
+from batchd.producers.gateway.app import create_app
+from batchd.producers.gateway.options import GatewayOptions
+from support.daemon_harness import ROOT
+from support.redis_server import free_port
+
+DOCS = ROOT / "docs"
+Served = readme.Served
+run_example = readme.run_example
+# The README examples' fixture: one private redis-server and one tiny daemon per module.
+served = readme.served
+MARKED_BLOCK = re.compile(r"^<!-- test: ([\w-]+) -->\n```python\n(.*?)^```$", re.M | re.S)
+GATEWAY_URL = "http://127.0.0.1:8000/v1"
+API_KEY = "sk-mine"
+
+
+def marked_examples() -> list[tuple[str, str, str]]:
+    """(page, NAME, code) of every marked Python block of the docs, in page order."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for name, code in MARKED_BLOCK.findall(page.read_text()):
+            found.append((str(page.relative_to(DOCS)), name, code))
+    return found
+
+
+@contextlib.contextmanager
+def gateway(redis_url: str) -> Iterator[str]:
+    """``batchd gateway --api-key sk-mine`` in uvicorn on a thread; yields its /v1 URL."""
+    port = free_port()
+    app = create_app(redis_url, GatewayOptions(api_keys=[API_KEY]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="docs-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def check_openai(code: str, served: Served, tmp: Path) -> None:
+    """The OpenAI SDK example prints the reply's text, through a real gateway."""
+    assert GATEWAY_URL in code and 'model="smollm2"' in code
+    with gateway(served.url) as url:
+        models = openai.OpenAI(base_url=url, api_key=API_KEY).models.list()
+        model = models.data[0].id
+        printed = run_example(
+            code.replace(GATEWAY_URL, url).replace('model="smollm2"', f"model={model!r}"), {}
+        )
+    assert printed.strip(), "the example printed no reply"
+
+
+CHECKS: dict[str, Callable[[str, Served, Path], None]] = {**readme.CHECKS, "openai": check_openai}
+
+
+def test_every_marked_example_has_its_check() -> None:
+    names = {name for _, name, _ in marked_examples()}
+    assert names <= set(CHECKS), names - set(CHECKS)
+    assert {"client", "async-client", "openai", "engine"} <= names
+
+
+@pytest.mark.parametrize(
+    ("page", "name", "code"), marked_examples(), ids=[f"{p}:{n}" for p, n, _ in marked_examples()]
+)
+def test_docs_example(page: str, name: str, code: str, served: Served, tmp_path: Path) -> None:
+    CHECKS[name](code, served, tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed (config/bootstrap.sh)")
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
+def test_the_shell_producer_prints_the_answer(served: Served) -> None:
+    """produce.sh submits through the raw protocol and prints the job's text, once."""
+    done = subprocess.run(
+        ["bash", str(DOCS / "examples" / "produce.sh"), "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "BATCHD_REDIS_URL": served.url},
+    )
+    assert done.returncode == 0, done.stderr
+    job_id = re.search(r"^job (\S+)$", done.stderr, re.M)
+    assert job_id, done.stderr
+    with Client(served.url) as client:
+        result = client.result(job_id.group(1), timeout=30)
+    assert result.text and done.stdout == result.text + "\n"
+    assert f"finish_reason: {result.finish_reason.value}" in done.stderr
+
+
+def test_the_shell_producer_refuses_an_id_twice(served: Served, tmp_path: Path) -> None:
+    """The submit script creates nothing for an id that exists (run here by redis-py)."""
+    script = re.search(r"submit='(.*?)'\n", (DOCS / "examples" / "produce.sh").read_text(), re.S)
+    assert script
+    keys = ["batchd:job:docs-dup", "batchd:queue:docs-dup"]
+    args: list[Any] = ["docs-dup", "1", '{"id": "docs-dup", "prompt": "x"}']
+    assert served.redis.eval(script.group(1), 2, *keys, *args) == 1
+    assert served.redis.eval(script.group(1), 2, *keys, *args) == 0
+    assert served.redis.xlen(keys[1]) == 1
