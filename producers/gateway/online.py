@@ -121,6 +121,7 @@ class Online:
     async def _serve(
         self, request: Request, kind: str, mapper: Callable[[dict[str, object]], Mapped]
     ) -> Response:
+        self.guard.owner(request)  # 401 before a byte of the body is read
         body = parse_body(await self.guard.body(request))
         job = await self.submit(request, lambda: mapper(body))
         shaper = Shaper(

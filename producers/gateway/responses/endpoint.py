@@ -75,6 +75,7 @@ class Responses:
         self.online = online
 
     async def create(self, request: Request) -> Response:
+        self.online.guard.owner(request)  # 401 before a byte of the body is read
         body = parse_body(await self.online.guard.body(request))
         echo = echoed(body)
         job = await self.online.submit(request, lambda: mapped(body))

@@ -325,3 +325,11 @@ def test_a_chat_without_max_tokens_gets_the_gateways_default(
     assert reply.usage is not None and reply.usage.completion_tokens <= 5
     assert reply.choices[0].finish_reason in ("length", "stop")
     assert with_n.usage is not None and with_n.usage.completion_tokens <= 10
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_bad_key_is_refused_before_the_body_is_read(gateway: Any, path: str) -> None:
+    answer = httpx.post(
+        f"{gateway.url}{path}", content=b"not json", headers={"Authorization": "Bearer sk-no"}
+    )
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
