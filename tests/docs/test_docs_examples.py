@@ -15,8 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ import uvicorn
 from batchd.producers.client import Client
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
+from support.asgi import serve_in_thread
 from support.daemon_harness import ROOT
 from support.redis_server import free_port
 
@@ -56,18 +55,9 @@ def gateway(redis_url: str) -> Iterator[str]:
     """``batchd gateway --api-key sk-mine`` in uvicorn on a thread; yields its /v1 URL."""
     port = free_port()
     app = create_app(redis_url, GatewayOptions(api_keys=[API_KEY]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="docs-gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    with serve_in_thread(config) as url:
+        yield f"{url}/v1"
 
 
 def check_openai(code: str, served: Served, tmp: Path) -> None:

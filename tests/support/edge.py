@@ -6,8 +6,6 @@ predictable text and gateways per module; rq workers run in the test's own threa
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from starlette.applications import Starlette
 from batchd.producers.bulk_worker import bulk_worker
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
+from support.asgi import serve_in_thread
 from support.redis_server import free_port
 
 KEY_A = "sk-alice-0f3c2b9e7d"
@@ -64,20 +63,9 @@ class Edge:
 def serve(app: Starlette) -> Iterator[str]:
     """``app`` in uvicorn on a thread and a free port of 127.0.0.1; its URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="edge-gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "gateway did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    with serve_in_thread(config) as url:
+        yield url
 
 
 @contextmanager

@@ -8,8 +8,6 @@ the checkout); the run's summary prints where.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ import uvicorn
 
 from batchd.producers.dashboard.app import create_app
 from batchd.producers.dashboard.options import DashboardOptions
+from support.asgi import serve_in_thread
 from support.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,18 +46,8 @@ def run_dashboard(redis_url: str, options: DashboardOptions) -> Iterator[Dashboa
     config = uvicorn.Config(
         create_app(redis_url, options), host="127.0.0.1", port=port, log_level="warning"
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="dashboard", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "dashboard did not start"
-        time.sleep(0.02)
-    try:
-        yield Dashboard(f"http://127.0.0.1:{port}", redis_url, options)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(config) as url:
+        yield Dashboard(url, redis_url, options)
 
 
 @dataclass

@@ -6,7 +6,6 @@ talk to it with the official ``openai`` package, as any client would.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -16,12 +15,12 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-import uvicorn
 
 from batchd.config.sections import GatewaySettings
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.serving.server import uvicorn_config
+from support.asgi import serve_in_thread
 from support.daemon_harness import DaemonProcess, daemon_config
 from support.redis_server import RedisServer, free_port
 
@@ -50,18 +49,8 @@ def run_gateway(
         update={"host": "127.0.0.1", "port": port}
     )
     config = uvicorn_config(create_app(redis_url, options), settings, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "gateway did not start"
-        time.sleep(0.02)
-    try:
-        yield Gateway(f"http://127.0.0.1:{port}", redis_url, options)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(config) as url:
+        yield Gateway(url, redis_url, options)
 
 
 @pytest.fixture(scope="module")
