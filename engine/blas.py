@@ -1,7 +1,7 @@
 """Make MLX use OpenBLAS on Linux CPU.
 
-The ``mlx[cpu]`` wheel links a reference BLAS whose matrix products run about
-50x slower than OpenBLAS on the same cores. Loading OpenBLAS into the global
+The ``mlx[cpu]`` wheel links a reference BLAS whose matrix products run far
+slower than OpenBLAS on the same cores (docs/bench/HISTORY.md). Loading OpenBLAS into the global
 symbol namespace before ``mlx.core`` is imported makes MLX resolve its BLAS
 calls there. This must run before anything imports mlx, which is why
 ``engine/__init__.py`` calls it first.

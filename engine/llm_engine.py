@@ -52,7 +52,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 class LLMEngine:
-    """Continuous-batching generation over a paged KV pool (README, The engine as a library)."""
+    """Continuous-batching generation over a paged KV pool.
+
+    How to use it as a library: docs/engine.md, "The engine as a library".
+    """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()

@@ -32,7 +32,7 @@ SubmittedT = TypeVar("SubmittedT")
 # A job to submit: a JobRequest, or its fields as a mapping.
 JobLike = JobRequest | Mapping[str, Any]
 
-# The most jobs one submit_many call takes: its script holds Redis ~10 us a job.
+# The most jobs one submit_many call takes: its script holds Redis for every job in it.
 MAX_SUBMIT_MANY = 1000
 
 # Headroom of the socket timeout over the longest XREAD BLOCK (redis-py #2807, #3138).

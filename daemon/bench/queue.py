@@ -14,19 +14,17 @@ subscriber receives it). The subscriber stands for the daemon's clients,
 which run on other machines: it runs at the lowest CPU priority
 (batchd.daemon.bench.subscriber), so that on a small shared host it takes the cores
 the engine leaves rather than stalling its steps. A shared machine's load
-drifts by ~10% over minutes, and a noisy neighbour moves one 10-second run
-by as much, so the runs alternate: in-process, queue, in-process, ...; each
+drifts over minutes, and a noisy neighbour moves one short run by as much,
+so the runs alternate: in-process, queue, in-process, ...; each
 queue run is divided by the mean of the two in-process runs around it, and
 the reported ratio is
 the median of those (best-of, the fastest queue run over the fastest
 in-process run, is reported too). Rounds go on until at least MIN_ROUNDS
 have run and the rounds have taken ROUNDS_BUDGET_S, at most MAX_ROUNDS: a
 model whose run takes 10 s (bench-small) gets a median of ~8, one whose run
-takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead). On a
-2-core shared host one round's ratio spreads by ~5% (in-process runs of the
-same work 10.5 s and 12.1 s back to back), so the median of the ~5 rounds a
-150 s budget gave bench-small moved by ~2.5% from run to run; ~8 rounds
-narrow that for ~1.5 more minutes of a bench-small run.
+takes 45 s (SmolLM2) a median of 3 (``rounds`` fixes the count instead). The budget
+was sized from how far one round's ratio spreads on a 2-core shared host
+(docs/bench/HISTORY.md, "Figures behind the code's choices").
 Every queue round starts a fresh daemon under its own key prefix, deleted
 afterwards, so no prefix cache carries over from a previous round. Besides
 the client's CPU time, each queue run records what Redis spent (``INFO

@@ -59,12 +59,11 @@ OFFLINE_SYSTEMS = {
 EXTRA_WORKLOADS = ("online-sweep",)
 
 # batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (every
-# running decode waits for the prefill tokens its step carries). 4: in interleaved sweeps on
-# 2 cores (Zen 4, the packed CPU products) it was the one bound that kept ITL p99/p50 within
-# 1.5x (1.36-1.41x on SmolLM2 and bench-small) with TTFT p99 under BatchGenerator's (2.7 s
-# against 3.5 s; 0.77 s against 0.82-0.92 s); 8 gave 1.6-1.8x. 64 suited the engine with
-# OpenBLAS's products, whose decode steps were twice as long. The throughput workloads keep
-# the engine settings' value (default: no bound).
+# running decode waits for the prefill tokens its step carries). 4 was the one bound that
+# kept ITL p99/p50 within the target with TTFT p99 under BatchGenerator's in the online sweeps
+# (docs/bench/HISTORY.md, "The prefill bound's trade"); rerun `batchd bench online-sweep`
+# when decode steps change length. The throughput workloads keep the engine settings'
+# value (default: no bound).
 ONLINE_MAX_PREFILL_TOKENS = 4
 
 

@@ -68,9 +68,8 @@ class Scale:
     except the sequential peer (``sequential_requests`` of it). The other
     measurements take ``short_requests``: the shared-prefix workload, the
     online and queue runs (a subset of mixed), and static batching on mixed,
-    whose padding and barrier one full wave shows. On 2 cores the peers take
-    ~90% of a run's time (BatchGenerator alone runs mixed for ~5 minutes on
-    SmolLM2); these sizes keep ``batchd bench --preset smollm2`` near half an
+    whose padding and barrier one full wave shows. On a small CPU the peers
+    take most of a run's time; these sizes keep ``batchd bench --preset smollm2`` near half an
     hour, since figures that take an afternoon are not measured again.
     """
 

@@ -22,7 +22,7 @@ from batchd.producers.schema import FINAL_STATE, FinishReason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# A publish is a Redis round trip: ~1 ms for 32 jobs on 2 CPU cores.
+# A publish is one Redis round trip: the buckets span a local Redis to a distant one.
 PUBLISH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 # The unlabelled counters: name -> help.

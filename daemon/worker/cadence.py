@@ -35,22 +35,18 @@ from batchd.daemon.worker.redis_io import REDIS_DOWN, Backoff
 
 # After a step shorter than this the pipeline is settled at once instead of during the next
 # step: a short step is mostly Python, which holds the GIL, so the publishing thread would
-# wait up to Python's switch interval (5 ms) for it, twice, to hide a ~2 ms round trip.
-# Measured on 2 cores with 8-token jobs on the tiny model (3.4 ms steps): overlapping them
-# cut the daemon's requests/s by ~20%; on bench-small (20-60 ms steps, when OpenBLAS ran the
-# products) it raised its throughput through Redis by 9% (median of ten alternating pairs,
-# see docs/bench/HISTORY.md). An engine on the CPU is never overlapped now
-# (Generator.steps_use_cpu).
+# wait up to Python's switch interval for it, twice, to hide one round trip. Overlap pays
+# only with longer steps (figures: docs/bench/HISTORY.md, "Figures behind the code's
+# choices"). An engine on the CPU is never overlapped (Generator.steps_use_cpu); revisit
+# when a GPU's step times are measured.
 OVERLAP_MIN_STEP_S = 0.010
 
 # Where the engine computes on the CPU and ``daemon.publish_interval_ms`` is unset: each
-# publish stops the engine for its round trip (~1 ms for 32 jobs on 2 cores, Redis's
-# script runs included), and Redis and the followers it wakes take cores from the next
-# step, so tokens between a job's first and last go out at most this often. bench-small
-# (15-25 ms steps) through Redis: 0.978x in-process against 0.918x publishing every step
-# (medians of 6 alternating queue rounds), and 1.01x at 100 ms against 0.98x at 50 ms
-# (medians of 12 rounds in four queue-only runs alternating the two: 80 publishes a run
-# instead of 110); steps of 100 ms or more publish as before.
+# publish stops the engine for its round trip, and Redis and the followers it wakes take
+# cores from the next step, so tokens between a job's first and last go out at most this
+# often (the queue rounds that chose it: docs/bench/HISTORY.md, "Figures behind the
+# code's choices"); steps at least this long publish as before. Revisit if the publish
+# leaves the engine's thread.
 CPU_PUBLISH_INTERVAL_MS = 100
 
 

@@ -9,7 +9,7 @@ then append the events in order, stopping at the first refused one, and only
 then write the status fields. The stream's end is read from its length, which
 is its last seq while only owners write it (ids ``0-1``, ``0-2``, ...), and the
 first append is refused if anything stands past it; the last entry itself
-(XREVRANGE, ~7 us of Redis's time against XLEN's 0.3 us, for every job at every
+(XREVRANGE, many times XLEN's cost in Redis's time, for every job at every
 publish) is read only when the length disagrees, the first append is refused,
 or there is no event to append, so an edited stream (entries deleted, or added
 with other ids) is judged by its last entry as before. So a refused write (OOM,

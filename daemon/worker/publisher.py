@@ -99,8 +99,7 @@ class Flush:
         unknown, and the next flush's fenced appends find out.
 
         The commands go out packed by hiredis in one write: redis-py's own pipeline
-        spends ~4 us of Python packing each command, a step of 32 jobs 0.13 ms of the
-        CPU the engine computes on (0.05 ms this way)."""
+        spends more Python packing each command, on the CPU the engine computes on."""
         if self.pipe.scripts:
             self.pipe.load_scripts()
         commands = self.pipe.command_stack

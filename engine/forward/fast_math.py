@@ -5,7 +5,7 @@ costs ~12-18 ns per element on Linux x86, against ~0.5 ns for NumPy's. In a
 CPU forward, SwiGLU's SiLU and attention's softmax then take longer than all
 the matrix products. This ``exp`` is Cephes' ``expf`` (Cody-Waite range
 reduction, degree-7 polynomial, exponent built from bits), fused by
-``mx.compile``: 4-6x faster than MLX's and more accurate (max relative error
+``mx.compile``: several times faster than MLX's and more accurate (max relative error
 8e-8 against MLX's 9e-7). Results differ from mlx-lm's in the last bits,
 which can only change a greedy token at a near-tie of the logits.
 

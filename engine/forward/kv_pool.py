@@ -3,10 +3,8 @@
 Layout ``[kv_heads, num_blocks * block_size, head_dim]``: gathering a batch's
 blocks along axis 1 yields ``[kv_heads, B, T, head_dim]``, which reshapes for
 free into the contiguous ``[kv_heads * B, 1, T, head_dim]`` that SDPA reads
-fastest on CPU. Measured on 2 CPU cores, one layer's decode attention for 16
-sequences of up to 512 tokens: this layout 3.9 ms; ``[blocks, block_size,
-kv_heads, D]`` gathered and transposed 10.7 ms (4.4 ms if made contiguous);
-a dense cache 2.85 ms. Slot ``s`` lives in block ``s // block_size`` at offset
+fastest on CPU (the layouts compared: docs/bench/HISTORY.md, "Figures behind
+the code's choices"). Slot ``s`` lives in block ``s // block_size`` at offset
 ``s % block_size``; new K/V are written by an in-place scatter on slots.
 
 The pool is allocated and zeroed at start, every page written, so its size is start-up

@@ -15,7 +15,7 @@ writes; attention of every row, decode and prefill, reading K/V through the
 block tables in place): no MLX evaluation inside a layer. With
 BATCHD_NATIVE_PRODUCTS=0, or a model the packing does not cover, the MLX
 forward below runs with the C attention and SwiGLU, evaluating the layer's
-graph before each call (once or twice a layer, ~0.1 ms each). Without the
+graph before each call (once or twice a layer). Without the
 kernels (no compiler, other dtypes, Metal), the MLX path runs alone.
 
 On the MLX path on a multi-core CPU, decode attention runs on several MLX streams at once
@@ -64,9 +64,9 @@ MAX_LANES = 4
 
 # On CPU the packed batch, and the rows the output projection runs on, are padded to a
 # multiple of this many rows (from _MIN_PADDED rows up): OpenBLAS's sgemm handles a partial
-# block of 16 rows slowly. Measured on 2 cores, one layer's projections: 12 rows 3.1 ms,
-# 16 rows 1.7; 28 rows 4.1 ms, 32 rows 2.3; the 32000-wide output projection: 12 rows
-# 17.3 ms, 16 rows 8.5. Below _MIN_PADDED rows the small products are cheaper as they are.
+# block of 16 rows slowly (figures: docs/bench/HISTORY.md, "Figures behind the code's
+# choices"). Below _MIN_PADDED rows the small products are cheaper as they are. Revisit
+# with another BLAS or when the engine's own products take these rows.
 ROW_MULTIPLE = 16
 _MIN_PADDED = 4
 

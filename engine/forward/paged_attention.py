@@ -157,7 +157,7 @@ def _attend(
     """Attention with an additive bias (0 or MASKED) broadcastable to the scores.
 
     queries [..., M, D] and keys/values [..., T, D] broadcast over leading axes.
-    The bias is added, not selected with `where`: MLX's CPU `where` is ~30x slower.
+    The bias is added, not selected with `where`: MLX's CPU `where` is much slower.
     """
     scores = (queries * scale) @ keys.swapaxes(-1, -2)
     scores = scores.astype(mx.float32) + bias

@@ -8,11 +8,10 @@
    from one read of each key row, then their weighted sums. Softmax uses the same
    Cephes exp as engine/forward/fast_math.py.
 
-   Where it goes: 32 sequences of 300-500 tokens on SmolLM2 read ~20 MB of keys and
-   values a layer; the vector path below reads them at ~22 GB/s on 2 AVX-512 cores,
-   about what the memory gives there, and at ~9 GB/s on 2 AVX2 cores, where walking
-   4 KB blocks scattered over the pool bounds it (prefetching the next block measured
-   no faster).
+   Where it goes: a decode step's attention reads every key and value of its sequences
+   once a layer; the vector path below reads them at about what the memory gives on
+   AVX-512 cores, and on AVX2 cores walking blocks scattered over the pool bounds it
+   (prefetching the next block measured no faster).
 
    Layouts (float32, row-major): q and out [batch, heads, dim]; k and v
    [kv_heads, slots, dim]; tables [batch, width] block ids; lengths [batch] keys
@@ -128,9 +127,7 @@ static void attend(const Work *w, int task, float *scores) {
    horizontal sum per dot product, the output rows loaded and stored for every key); here a
    key's products stay vectors and one shuffle tree sums VL keys' vectors at once, and the
    weighted sum of values runs in registers. A vector wider than the registers is slower
-   than the plain loops: on an AVX2 host a 16-float type spilled to the stack and attention
-   took 4.5 ms a layer where the plain loops take 2.8 and this path, with 8 floats, 1.75
-   (SmolLM2, 32 sequences of ~330 keys, 2 cores). */
+   than the plain loops: it spills to the stack. */
 #define VECTOR_PATH 1
 #include "simd.h"
 

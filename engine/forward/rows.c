@@ -1,9 +1,9 @@
 /* The per-row pieces of a layer on packed weights (engine/forward/model_runner.py's packed
    forward) around the products of products.c: RMSNorm, and RoPE with the pool's writes.
 
-   Why in C: MLX's CPU RoPE with per-row positions and the pool's scatter cost ~0.4 ms a
-   layer on 32 rows (an evaluation each), 12 ms of a SmolLM2 decode step; here they are a
-   few microseconds. RoPE's angles still come from the model's own MLX rope module (once a
+   Why in C: MLX's CPU RoPE with per-row positions and the pool's scatter cost an
+   evaluation each, a large part of a SmolLM2 decode step; here they cost next to
+   nothing. RoPE's angles still come from the model's own MLX rope module (once a
    step, for every layer: see rope_table in the runner), so every rope variant mlx-lm
    builds (scaled, YaRN, ...) rotates the same way. */
 

@@ -67,7 +67,7 @@ def ms(seconds: Any) -> str:
 
 
 def duration(seconds: Any) -> str:
-    """A span as 850 ms, 12.3 s, 4 min 05 s, 3 h 12 min."""
+    """A span as ``850 ms``, ``12.3 s``, ``4 min 05 s``, ``3 h 12 min``."""
     if _missing(seconds) or not isinstance(seconds, (int, float)):
         return "–"
     if seconds < 1:
