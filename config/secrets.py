@@ -18,8 +18,8 @@ from urllib.parse import unquote_plus
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]*", re.IGNORECASE)
 # One query parameter: separator, name, value.
 _PARAM = re.compile(r"([?&;])([^=&;#\s]*)=([^&;#\s]*)")
-# Query parameters redis-py turns into a secret keyword.
-SECRET_PARAMS = frozenset({"password", "ssl_password"})
+# Query parameters redis-py turns into a secret keyword, and a Sentinel URL's own.
+SECRET_PARAMS = frozenset({"password", "ssl_password", "sentinel_password"})
 HIDDEN = "***"
 
 

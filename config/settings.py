@@ -29,9 +29,12 @@ from pydantic_settings import (
 from batchd.config.limits import DEFAULT_REDIS_URL, NAME_PATTERN, LimitSettings, Section
 from batchd.config.secrets import redact
 from batchd.config.sections import BulkSettings, GatewaySettings
+from batchd.config.sentinel import SentinelSettings, is_sentinel_url, parse_sentinel_url
 from batchd.engine.config import EngineConfig
 
 CONFIG_ENV_VAR = "BATCHD_CONFIG"
+# Schemes of redis_url: redis-py's own, and a master found through Sentinel.
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
 
 
 class DaemonSettings(Section):
@@ -89,7 +92,8 @@ class Settings(BaseSettings):
     )
 
     redis_url: str = DEFAULT_REDIS_URL
-    """Redis URL (redis://, rediss://, unix://)."""
+    """Redis URL (redis://, rediss://, unix://; redis+sentinel://host:port,.../service/db
+    or rediss+sentinel:// for a master behind Sentinel; see also [sentinel])."""
     key_prefix: str = Field("batchd", min_length=1)
     """Prefix of every Redis key."""
     model: str | None = None
@@ -112,13 +116,22 @@ class Settings(BaseSettings):
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
     bulk: BulkSettings = Field(default_factory=BulkSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    sentinel: SentinelSettings = Field(default_factory=SentinelSettings)
 
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if not value.startswith(SCHEMES):
+            raise ValueError("must start with " + ", ".join(SCHEMES))
+        if is_sentinel_url(value):
+            parse_sentinel_url(value)  # ValueError naming the bad part
         return value
+
+    def connection_url(self) -> str:
+        """The URL every batchd process connects with: the ``redis+sentinel://`` URL of the
+        ``[sentinel]`` section when it lists Sentinels (it wins over ``redis_url``), else
+        ``redis_url``."""
+        return self.sentinel.url() or self.redis_url
 
     @field_validator("log_level")
     @classmethod

@@ -8,9 +8,18 @@ longer ends in an incomplete UTF-8 sequence, so a multi-byte character is
 never split and the concatenated deltas equal ``tokenizer.decode`` of all
 tokens.
 
+Special tokens (vLLM's options and defaults): with ``skip_special_tokens`` they
+never enter the text (as ``decode(..., skip_special_tokens=True)``, which drops them
+before decoding); kept, with ``spaces_between_special_tokens`` each is a segment of its
+own and the segments are joined with a space, as vLLM's and Hugging Face's Python
+detokenizers join them (``"Paris. <|im_end|>"``); without it the text is the
+tokenizer's own decode of every token (``"Paris.<|im_end|>"``). "Special" is what the
+tokenizer marks so: its special ids and its added tokens flagged special.
+
 Stop strings: text that could still be the beginning of a stop string is
 held back; when one appears, the text is cut exactly before it and the stop
-string itself is never emitted.
+string itself is never emitted. Before ``min_tokens`` outputs a stop string does
+not stop (vLLM's): it stays in the text.
 
 Both are pure functions of the tokens fed so far: feeding the same tokens
 again rebuilds the same held-back text, which is how a resumed request
@@ -19,29 +28,93 @@ continues exactly where an uninterrupted run would be.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 _INCOMPLETE = "\ufffd"
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas."""
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a tokenizer marks special: its special ids (bos, eos, unk, pad, additional
+    special tokens) and its added tokens flagged special (chat markers)."""
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(added, dict):
+        ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
+
+
+class TokenTexts:
+    """Each token id's own text, decoded alone (special tokens as written), cached: what
+    logprobs name tokens by for a client without the tokenizer."""
 
     def __init__(self, tokenizer: Any) -> None:
+        self._decode = tokenizer.decode
+        self._texts: dict[int, str] = {}
+
+    def of(self, ids: Iterable[int]) -> dict[int, str]:
+        """``{id: text}`` for each of ``ids``."""
+        out = {}
+        for token_id in ids:
+            text = self._texts.get(token_id)
+            if text is None:
+                text = self._texts[token_id] = str(self._decode([token_id]))
+            out[token_id] = text
+        return out
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas (special tokens as the module
+    doc says)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        special_ids: frozenset[int] = frozenset(),
+        skip_special_tokens: bool = False,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens before this index are already released
+        self._special = special_ids
+        self._skip = skip_special_tokens
+        self._segments = spaces_between_special_tokens and not skip_special_tokens
+        self._emitted = False  # some text went out
+        self._space = False  # a segment ended since: the next text starts with a space
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (maybe empty)."""
+        if token_id in self._special:
+            if self._skip:
+                return ""
+            if self._segments:
+                return self._special_segment(token_id)
         self._ids.append(token_id)
-        return self._release(final=False)
+        return self._out(self._release(final=False))
 
     def flush(self) -> str:
         """Release whatever is held, incomplete characters included (end of stream)."""
-        return self._release(final=True)
+        return self._out(self._release(final=True))
+
+    def _special_segment(self, token_id: int) -> str:
+        """End the text segment, then the special token as a segment of its own."""
+        text = self._out(self._release(final=True))
+        self._ids, self._prefix, self._read = [], 0, 0
+        self._space = self._emitted
+        text += self._out(self._tokenizer.decode([token_id]))
+        self._space = self._emitted
+        return text
+
+    def _out(self, text: str) -> str:
+        if not text:
+            return ""
+        if self._space:
+            text, self._space = " " + text, False
+        self._emitted = True
+        return text
 
     def _release(self, *, final: bool) -> str:
         decode = self._tokenizer.decode
@@ -63,14 +136,17 @@ class StopStringFilter:
         self._pending = ""
         self.stopped = False
 
-    def push(self, delta: str) -> str:
-        """Feed new text; return what may be emitted now. Sets ``stopped`` on a match."""
+    def push(self, delta: str, *, armed: bool = True) -> str:
+        """Feed new text; return what may be emitted now. Sets ``stopped`` on a match,
+        unless not ``armed`` (under min_tokens): then a stop string is plain text."""
         if self.stopped or not delta:
             return ""
         if not self._stop:
             return delta
         text = self._pending + delta
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        cut = -1
+        if armed:
+            cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             self._pending = ""

@@ -27,11 +27,12 @@ import numpy as np
 
 from batchd.engine.config import EngineConfig
 from batchd.engine.constraints import GrammarTokenizer
+from batchd.engine.detokenizer import TokenTexts, special_token_ids
 from batchd.engine.exceptions import InvalidRequest
 from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.kv_pool import KVPool, size_pool
 from batchd.engine.forward.model_runner import ModelRunner
-from batchd.engine.logits_processors import PENALTY_CONTEXT
+from batchd.engine.logits_processors import PenaltyHistory, PenaltyTokens
 from batchd.engine.models.loader import LoadedModel, load
 from batchd.engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
 from batchd.engine.prompt import encode_prompt
@@ -86,12 +87,15 @@ class LLMEngine:
             num_blocks=num_blocks,
             max_model_len=self.max_model_len,
             computed_rows=self.runner.computed_rows,
+            kv_window=loaded.spec.kv_window,
         )
         self.eos_token_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
         self.grammar_tokenizer = GrammarTokenizer(
             self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids
         )
-        self.last_step_stats: StepStats = StepStats(step=0)
+        self.special_token_ids = special_token_ids(self.tokenizer)
+        self._token_texts = TokenTexts(self.tokenizer)
+        self.last_step_stats: StepStats = StepStats(step=0, kv_blocks_total=num_blocks)
         # request id -> its live samples by sample index (insertion order: oldest first)
         self._live: dict[str, dict[int, Seq]] = {}
         # sequence id -> the output side of that sample
@@ -181,6 +185,8 @@ class LLMEngine:
             matcher=(
                 self.grammar_tokenizer.matcher(params.constraint) if params.constraint else None
             ),
+            history=_history(params, ids),
+            special_ids=self.special_token_ids,
         )
         if resumed:
             finished = state.resume(resumed)
@@ -319,11 +325,15 @@ class LLMEngine:
 
     def _sample_row(self, seq: Seq, allowed: np.ndarray | None) -> SampleRow:
         state = self._states[seq.seq_id]
-        recent: Sequence[int] = ()
-        if state.params.penalises_recent:
-            recent = seq.tokens(max(0, seq.num_tokens - PENALTY_CONTEXT), seq.num_tokens)
+        penalised = None
+        window = state.params.penalty_window
+        if state.history is not None:
+            penalised = state.history.tokens()
+        elif window is not None and state.params.penalises_recent:
+            start = max(0, seq.num_tokens - window)
+            penalised = PenaltyTokens.window(seq.tokens(start, seq.num_tokens))
         return SampleRow(
-            state.params, state.seed, state.num_outputs, recent, tuple(state.banned), allowed
+            state.params, state.seed, state.num_outputs, penalised, tuple(state.banned), allowed
         )
 
     def _output(
@@ -335,6 +345,13 @@ class LLMEngine:
     ) -> RequestOutput:
         state = self._states[seq.seq_id]
         index = state.num_outputs
+        prompt_logprobs = self._prompt_logprobs.pop(seq.seq_id, None)
+        texts = None
+        if state.params.token_texts:
+            named = [token_id, *(t for t, _ in top or ())]
+            if prompt_logprobs is not None:
+                named += seq.tokens(0, seq.num_prompt_tokens)
+            texts = self._token_texts.of(named)
         error = None
         try:
             verdict = state.on_token(token_id)
@@ -358,8 +375,10 @@ class LLMEngine:
             finish_reason=verdict.finish_reason,
             top_logprobs=top,
             error=error,
-            prompt_logprobs=self._prompt_logprobs.pop(seq.seq_id, None),
+            prompt_logprobs=prompt_logprobs,
             sample=seq.sample,
+            cached_tokens=seq.num_cached_tokens,
+            token_texts=texts,
         )
 
     def _stats(
@@ -395,3 +414,11 @@ class LLMEngine:
                 for c in scheduled.chunks
             ],
         )
+
+
+def _history(params: SamplingParams, prompt: Sequence[int]) -> PenaltyHistory | None:
+    """The token counts a request penalised over its whole output keeps (the prompt's
+    tokens too when its repetition penalty scales them); None when it needs none."""
+    if not params.penalises_recent or params.penalty_window is not None:
+        return None
+    return PenaltyHistory(prompt if params.repetition_penalty != 1.0 else None)

@@ -34,6 +34,12 @@ class RequestOutput:
     before it (raw model logits, float32 log-softmax). ``sample`` is the request's
     sample the token belongs to (0 unless it was added with several, see
     ``LLMEngine.add_request``); ``finish_reason`` ends that sample only.
+    ``cached_tokens`` is how many of the sequence's tokens took their K/V from the
+    prefix cache when it was (last) admitted: full blocks shared with an earlier
+    request, never the last prompt token; before any preemption, prompt tokens only.
+    ``token_texts`` (requests with ``token_texts``) maps each token id this output names
+    (the token, its top_logprobs, the prompt's tokens with ``prompt_logprobs``) to its
+    text decoded alone.
     """
 
     request_id: str
@@ -47,6 +53,8 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[float] | None = None
     sample: int = 0
+    token_texts: dict[int, str] | None = None
+    cached_tokens: int = 0
 
 
 class ChunkKind(str, Enum):

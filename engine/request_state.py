@@ -8,7 +8,10 @@ uninterrupted run stood, held-back text included, so the next output carries
 that text and a stop string spanning the crash point is still found. A
 constrained request's grammar matcher is advanced by every token, replayed
 ones included, so a resumed request is masked exactly as it would have been. A grammar's
-end is enforced: its end token stops the row even with ``ignore_eos``.
+end is enforced: its end token stops the row even with ``ignore_eos``. Under
+``min_tokens`` outputs neither an end token (masked: ``banned``) nor a stop string
+ends the request (vLLM's). A request penalised over its whole output keeps its
+token counts here (``history``), replayed tokens included.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from batchd.engine.constraints import RowMatcher
 from batchd.engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from batchd.engine.logits_processors import PenaltyHistory
 from batchd.engine.sampling_params import SamplingParams
 from batchd.engine.scheduling.sequence import FinishReason
 
@@ -44,6 +48,8 @@ class RequestState:
         eos_token_ids: frozenset[int],
         max_outputs: int,
         matcher: RowMatcher | None = None,
+        history: PenaltyHistory | None = None,
+        special_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -59,7 +65,13 @@ class RequestState:
         # end): that ends the row whatever ignore_eos says, and is never emitted as text.
         self._grammar_ends = eos_token_ids if matcher is not None else frozenset()
         self.matcher = matcher
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self.history = history
+        self._detok = IncrementalDetokenizer(
+            tokenizer,
+            special_ids=special_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
         self._stops = StopStringFilter(params.stop)
 
     def resume(self, tokens: Sequence[int]) -> FinishReason | None:
@@ -84,11 +96,13 @@ class RequestState:
         """Account one sampled token; return its text and finish reason."""
         self.num_outputs += 1
         self.output_token_ids.append(token_id)
+        if self.history is not None:
+            self.history.add(token_id)
         if self.matcher is not None:
             self.matcher.consume(token_id)
         if token_id in self._stop_ids or token_id in self._grammar_ends:
             return self._emit(self._flush(), FinishReason.stop)
-        text = self._stops.push(self._detok.add(token_id))
+        text = self._stops.push(self._detok.add(token_id), armed=self._armed)
         if self._stops.stopped:
             return self._emit(text, FinishReason.stop)
         if self.matcher is not None and self.matcher.stopped:
@@ -97,8 +111,13 @@ class RequestState:
             return self._emit(text + self._flush(), FinishReason.length)
         return self._emit(text, None)
 
+    @property
+    def _armed(self) -> bool:
+        """Stop strings may end the request: past min_tokens outputs."""
+        return self.num_outputs > self.params.min_tokens
+
     def _flush(self) -> str:
-        text = self._stops.push(self._detok.flush())
+        text = self._stops.push(self._detok.flush(), armed=self._armed)
         return text if self._stops.stopped else text + self._stops.flush()
 
     def _emit(self, text: str, reason: FinishReason | None) -> TokenVerdict:

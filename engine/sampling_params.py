@@ -17,6 +17,12 @@ MAX_LOGPROBS = 20
 # OpenAI's bounds for the additive controls.
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# sampling_order: where top-k, top-p and min-p sit relative to temperature (docs/jobs.md:
+# Sampling). The default is vLLM's (and Hugging Face transformers'); mlx-lm's make_sampler
+# and llama.cpp filter the temperature-1 distribution instead.
+TEMPERATURE_FIRST = "temperature_first"
+FILTERS_FIRST = "filters_first"
+SAMPLING_ORDERS = (TEMPERATURE_FIRST, FILTERS_FIRST)
 
 
 def _is_int(value: object) -> bool:
@@ -70,6 +76,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"(token id, bias in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]) pairs",
     ),
     "min_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "penalty_window": (lambda v: v is None or (_is_int(v) and v >= 1), "None or an int >= 1"),
+    "sampling_order": (lambda v: v in SAMPLING_ORDERS, f"one of {SAMPLING_ORDERS}"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "a bool"),
+    "spaces_between_special_tokens": (lambda v: isinstance(v, bool), "a bool"),
+    "token_texts": (lambda v: isinstance(v, bool), "a bool"),
     "prompt_logprobs": (lambda v: isinstance(v, bool), "a bool"),
     "constraint": (lambda v: v is None or isinstance(v, Constraint), "a Constraint or None"),
 }
@@ -85,10 +96,19 @@ class SamplingParams:
     that end the output; `stop_token_ids` are extra token ids that end it.
     `logprobs` is how many top log-probabilities to return per token (0: none).
     `logit_bias` adds a bias to given token ids; `presence_penalty` and
-    `frequency_penalty` subtract from the logits of recent tokens once / per
-    occurrence (mlx-lm's processors, docs/jobs.md: Sampling); `min_tokens`
-    forbids the end tokens before that many outputs;
+    `frequency_penalty` subtract from the logits of tokens already generated once / per
+    occurrence, and `repetition_penalty` scales those of prompt and generated tokens
+    (vLLM's scope, OpenAI's for the first two); `penalty_window` N instead applies all
+    three to the last N tokens of prompt + output (mlx-lm's processors; docs/jobs.md:
+    Penalties). `sampling_order` puts top-k / top-p / min-p after temperature (vLLM's,
+    the default) or before it (mlx-lm's). `min_tokens` holds back the end tokens and
+    the stop strings until that many outputs exist (vLLM's);
     `constraint` restricts the output to a grammar (JSON schema, regex, ...).
+    `skip_special_tokens` leaves special tokens out of the text and
+    `spaces_between_special_tokens` separates kept ones from their neighbours with a
+    space (vLLM's defaults: both True). `token_texts` makes each output carry the text
+    of each token id it names (the token, its top alternatives, the prompt's tokens with
+    `prompt_logprobs`), each decoded alone.
     `prompt_logprobs` asks for the log-probability of each prompt token given the
     ones before it (the model's raw logits: no processor applies to the prompt); the
     prompt is then computed whole, never taken from the prefix cache.
@@ -114,6 +134,11 @@ class SamplingParams:
     min_tokens: int = 0
     constraint: Constraint | None = None
     prompt_logprobs: bool = False
+    penalty_window: int | None = None
+    sampling_order: str = TEMPERATURE_FIRST
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    token_texts: bool = False
 
     def __post_init__(self) -> None:
         for field, (valid, rule) in _RULES.items():
@@ -130,7 +155,7 @@ class SamplingParams:
 
     @property
     def penalises_recent(self) -> bool:
-        """True when sampling needs the recent tokens (repetition, presence, frequency)."""
+        """True when sampling needs the tokens seen so far (repetition, presence, frequency)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0

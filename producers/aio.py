@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from batchd.config.limits import DEFAULT_REDIS_URL
 from batchd.producers.base import ClientBase, HandleBase, JobLike
+from batchd.producers.connection import async_redis_client
 from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
 from batchd.producers.keys import check_name
 from batchd.producers.result import JobResult, acollect
@@ -29,7 +31,7 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
 
     def __init__(self, redis_url: str | aioredis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
         super().__init__(**options)
-        self.redis: aioredis.Redis = self.connect(redis_url, aioredis.Redis.from_url)
+        self.redis: aioredis.Redis = self.connect(redis_url, async_redis_client)
         self._submit = self.redis.register_script(SUBMIT)
         self._submit_many = self.redis.register_script(SUBMIT_MANY)
         self._cancel = self.redis.register_script(CANCEL)
@@ -52,16 +54,32 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         key_id: str | None = None,
     ) -> AsyncJobHandle:
         plan = self.plan_submit(job, queue, key_id)
-        reply = await self._submit(keys=plan.keys, args=plan.args)
-        return AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
+        reply, acked = await self._write(self._submit, plan.keys, plan.args)
+        handle = AsyncJobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
+        self.check_replicated(acked, [plan.job_id])
+        return handle
 
     async def submit_many(
         self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False
     ) -> list[AsyncJobHandle]:
         """See :meth:`batchd.producers.client.Client.submit_many`."""
         plan = self.plan_submit_many(jobs, queue, attach=idempotent)
-        reply = await self._submit_many(keys=plan.keys, args=plan.args)
-        return [AsyncJobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
+        reply, acked = await self._write(self._submit_many, plan.keys, plan.args)
+        handles = [AsyncJobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
+        self.check_replicated(acked, plan.job_ids)
+        return handles
+
+    async def _write(
+        self, script: AsyncScript, keys: list[Any], args: list[Any]
+    ) -> tuple[Any, int | None]:
+        """See :meth:`batchd.producers.client.Client._write`."""
+        if not self.replicas:
+            return await script(keys=keys, args=args), None
+        pipe = self.redis.pipeline(transaction=False)
+        await script(keys=keys, args=args, client=pipe)
+        pipe.wait(self.replicas, self.replicas_timeout_ms)
+        reply, acked = await pipe.execute()
+        return reply, int(acked)
 
     def handle(self, job_id: str, *, queue: str | None = None) -> AsyncJobHandle:
         return AsyncJobHandle(self, check_name("id", job_id), self.queue_name(queue))

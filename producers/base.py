@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from batchd.config.limits import LimitSettings
-from batchd.producers.errors import JobNotFound, ValidationError
+from batchd.producers.errors import JobNotFound, NotReplicated, ValidationError
 from batchd.producers.follow import Follower
 from batchd.producers.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, check_name, lane
 from batchd.producers.schema import (
@@ -49,7 +49,10 @@ class ClientBase(ABC, Generic[SubmittedT]):
     socket timeout must exceed it. ``reconnect_timeout_s`` is how long a stream
     keeps retrying an unreachable Redis before the error propagates;
     ``missing_timeout_s`` how long following a job that has neither a status
-    hash nor an event waits before raising JobNotFound.
+    hash nor an event waits before raising JobNotFound. ``replicas`` above 0: a submit
+    returns once that many replicas hold it (Redis ``WAIT`` on the submit's connection,
+    up to ``replicas_timeout_ms``), so a failover cannot lose it; NotReplicated when
+    fewer confirm in time.
     """
 
     def __init__(
@@ -61,6 +64,8 @@ class ClientBase(ABC, Generic[SubmittedT]):
         block_ms: int = 1000,
         reconnect_timeout_s: float = 60.0,
         missing_timeout_s: float = 10.0,
+        replicas: int = 0,
+        replicas_timeout_ms: int = 1000,
     ) -> None:
         self.keys = Keys(prefix)
         self.queue = check_name("queue", queue)
@@ -68,6 +73,10 @@ class ClientBase(ABC, Generic[SubmittedT]):
         self.block_ms = block_ms
         self.reconnect_timeout_s = reconnect_timeout_s
         self.missing_timeout_s = missing_timeout_s
+        if replicas < 0 or replicas_timeout_ms < 0:
+            raise ValueError("replicas and replicas_timeout_ms must be >= 0")
+        self.replicas = replicas
+        self.replicas_timeout_ms = replicas_timeout_ms
 
     def connection_options(self) -> dict[str, Any]:
         return {
@@ -200,6 +209,11 @@ class ClientBase(ABC, Generic[SubmittedT]):
                 "id", f"job {plan.job_id} exists and is not this key's", value=plan.job_id
             )
         return plan.job_id, plan.queue
+
+    def check_replicated(self, acked: int | None, job_ids: list[str]) -> None:
+        """Raise NotReplicated when ``replicas`` were asked and fewer confirmed."""
+        if acked is not None and acked < self.replicas:
+            raise NotReplicated(job_ids, acked, self.replicas)
 
     def queue_name(self, queue: str | None) -> str:
         return self.queue if queue is None else check_name("queue", queue)

@@ -15,9 +15,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 
 from batchd.config.limits import DEFAULT_REDIS_URL
 from batchd.producers.base import ClientBase, HandleBase, JobLike
+from batchd.producers.connection import redis_client
 from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
 from batchd.producers.keys import check_name
 from batchd.producers.result import JobResult, collect
@@ -28,14 +30,15 @@ from batchd.producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
 class Client(ClientBase["JobHandle"]):
     """Producer side of batchd over one Redis connection pool (thread-safe).
 
-    ``redis_url`` is a URL or an existing ``redis.Redis`` (its socket timeout
+    ``redis_url`` is a URL (``redis+sentinel://`` for a master behind Sentinel) or an
+    existing ``redis.Redis`` (its socket timeout
     must exceed ``block_ms``). See :class:`~batchd.producers.base.ClientBase` for the
     other options.
     """
 
     def __init__(self, redis_url: str | redis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
         super().__init__(**options)
-        self.redis: redis.Redis = self.connect(redis_url, redis.Redis.from_url)
+        self.redis: redis.Redis = self.connect(redis_url, redis_client)
         self._submit = self.redis.register_script(SUBMIT)
         self._submit_many = self.redis.register_script(SUBMIT_MANY)
         self._cancel = self.redis.register_script(CANCEL)
@@ -58,8 +61,10 @@ class Client(ClientBase["JobHandle"]):
         key_id: str | None = None,
     ) -> JobHandle:
         plan = self.plan_submit(job, queue, key_id)
-        reply = self._submit(keys=plan.keys, args=plan.args)
-        return JobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
+        reply, acked = self._write(self._submit, plan.keys, plan.args)
+        handle = JobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
+        self.check_replicated(acked, [plan.job_id])
+        return handle
 
     def submit_many(
         self, jobs: Iterable[JobLike], *, queue: str | None = None, idempotent: bool = False
@@ -74,8 +79,21 @@ class Client(ClientBase["JobHandle"]):
         MAX_SUBMIT_MANY jobs a call.
         """
         plan = self.plan_submit_many(jobs, queue, attach=idempotent)
-        reply = self._submit_many(keys=plan.keys, args=plan.args)
-        return [JobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
+        reply, acked = self._write(self._submit_many, plan.keys, plan.args)
+        handles = [JobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
+        self.check_replicated(acked, plan.job_ids)
+        return handles
+
+    def _write(self, script: Script, keys: list[Any], args: list[Any]) -> tuple[Any, int | None]:
+        """A submit script's reply, and with ``replicas`` the replicas that confirmed it
+        (WAIT on the same connection, so it waits for this write)."""
+        if not self.replicas:
+            return script(keys=keys, args=args), None
+        pipe = self.redis.pipeline(transaction=False)
+        script(keys=keys, args=args, client=pipe)
+        pipe.wait(self.replicas, self.replicas_timeout_ms)
+        reply, acked = pipe.execute()
+        return reply, int(acked)
 
     def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
         """A handle on a job submitted elsewhere (by id)."""

@@ -50,6 +50,21 @@ class JobNotFound(BatchdError, LookupError):
         super().__init__(f"job {job_id} not found (never submitted, or expired)")
 
 
+class NotReplicated(BatchdError):
+    """Fewer replicas than asked confirmed a submit in time (``replicas`` of the client).
+
+    The master has the jobs; a failover before its replicas catch up would lose them.
+    Submitting again with ``idempotent=True`` attaches to them where they survived.
+    """
+
+    def __init__(self, job_ids: list[str], acked: int, wanted: int) -> None:
+        self.job_ids = job_ids
+        self.acked = acked
+        self.wanted = wanted
+        shown = ", ".join(job_ids[:3]) + (", ..." if len(job_ids) > 3 else "")
+        super().__init__(f"job(s) {shown}: {acked} of {wanted} replica(s) confirmed the submit")
+
+
 class ProtocolError(BatchdError):
     """A job's events stream breaks the protocol (a gap in seq, an undecodable event)."""
 

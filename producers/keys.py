@@ -32,6 +32,8 @@ DEFAULT_QUEUE = "default"
 JOB_FIELD = "job"
 EVENT_FIELD = "event"
 CANCEL_FIELD = "id"
+# The status hash's field naming the job's queue entry (its stream id), set at submit.
+ENTRY_ID_FIELD = "entry_id"
 # Cancellation requests are hints (the status hash is the truth): trim the stream near this.
 CANCEL_MAXLEN = 10_000
 
@@ -117,6 +119,15 @@ class Keys:
 
     def daemon(self, consumer: str) -> str:
         return f"{self.prefix}:daemon:{consumer}"
+
+    def gateway(self, name: str) -> str:
+        """A gateway process's heartbeat (batchd.producers.gateway.serving.beat)."""
+        return f"{self.prefix}:gateway:alive:{name}"
+
+    def control(self, consumer: str) -> str:
+        """A daemon's requested state (pause, drain: batchd.daemon.fleet.controls); under
+        ``control:``, since every ``daemon:*`` key is read as a heartbeat."""
+        return f"{self.prefix}:control:{consumer}"
 
 
 def event_id(seq: int) -> str:

@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import llguidance
 import orjson
@@ -45,6 +45,9 @@ from pydantic import ValidationError as PydanticValidationError
 
 from batchd.config.limits import NAME_PATTERN, LimitSettings
 from batchd.producers.errors import TooComplex, ValidationError
+
+if TYPE_CHECKING:  # a TypedDict of the type stubs only
+    from llguidance._lib import JsonCompileOptions
 
 JOB_ID_PATTERN = NAME_PATTERN
 INT64_MAX = 2**63 - 1
@@ -108,6 +111,33 @@ class Message(_StrictTypes):
     content: str
 
 
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 262_144
+
+
+class ToolFunction(_StrictTypes):
+    """A function the model may call (OpenAI's ``tools[].function``)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="The JSON schema of its arguments (an object)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_parameters(cls, data: Any) -> Any:
+        return _bounded_schema_in(data, "parameters", where="tools.function.parameters")
+
+
+class Tool(_StrictTypes):
+    """A tool shown to the model: the chat template renders it where it reads ``tools``,
+    else it is described in the system message (docs/jobs.md: Tools)."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
 MAX_SEQUENCES = 16
 MAX_GRAMMAR_CHARS = 65536
 # A json_schema is walked (without recursion) against these before anything else reads it:
@@ -125,6 +155,11 @@ _GRAMMAR_FIELD = {
 }
 
 
+# llguidance's lenient JSON-schema mode (ResponseFormat.lenient): unenforceable keywords
+# accepted and ignored, oneOf held as anyOf; the engine compiles with the same options.
+_LENIENT: JsonCompileOptions = {"lenient": True, "coerce_one_of": True}
+
+
 def _is_token_id(text: str) -> bool:
     """A token id as a decimal string, as OpenAI's logit_bias keys are."""
     return text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= TOKEN_ID_MAX
@@ -136,6 +171,9 @@ class ResponseFormat(_StrictTypes):
     ``json_object`` (any JSON object, no other field), ``json_schema`` (the schema in
     ``json_schema``), ``regex`` (Rust regex syntax, in ``regex``), ``lark`` or ``gbnf``
     (the grammar in ``grammar``). Checked here, so a bad one is refused at submit.
+    ``lenient`` (json_schema only) accepts keywords the grammar cannot enforce
+    (``uniqueItems``, ``if``/``then``, ``not``, ``contains``, ``dependentRequired``...)
+    and ignores them, and holds a ``oneOf`` as an ``anyOf``.
     """
 
     type: Literal["json_object", "json_schema", "regex", "lark", "gbnf"]
@@ -146,17 +184,17 @@ class ResponseFormat(_StrictTypes):
     grammar: str | None = Field(
         None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar (types lark, gbnf)."
     )
+    lenient: bool = Field(
+        False,
+        description="Type json_schema: accept keywords the grammar cannot enforce (uniqueItems, "
+        "if/then/else, not, contains, dependentRequired...) and ignore them; oneOf is held as "
+        "anyOf. Without it such a schema is refused.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _bounded_schema(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "json_schema" in data:
-            problem = json_bounds_problem(
-                data["json_schema"], max_depth=MAX_SCHEMA_DEPTH, max_nodes=MAX_SCHEMA_NODES
-            )
-            if problem:
-                raise _TooComplex("response_format.json_schema", problem)
-        return data
+        return _bounded_schema_in(data, "json_schema", where="response_format.json_schema")
 
     @model_validator(mode="after")
     def _one_valid_grammar(self) -> ResponseFormat:
@@ -165,20 +203,29 @@ class ResponseFormat(_StrictTypes):
         if given != ([needed] if needed else []):
             takes = needed or "no other field"
             raise ValueError(f"type {self.type} takes {takes}, got {', '.join(given) or 'none'}")
+        if self.lenient and self.type != "json_schema":
+            raise ValueError(f"lenient applies to type json_schema, not {self.type}")
         source = self.source()
         if len(source) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"{len(source)} characters exceed the limit {MAX_GRAMMAR_CHARS}")
-        try:
-            problem = llguidance.LLMatcher.validate_grammar(
-                llguidance.grammar_from(
-                    "json_schema" if self.type == "json_object" else self.type, source
-                )
-            )
-        except ValueError as exc:
-            problem = str(exc)
+        problem = self._grammar_problem(source, lenient=self.lenient)
         if problem:
-            raise ValueError(f"invalid {self.type}: {problem.strip()}")
+            if not self.lenient and self.type == "json_schema":
+                if not self._grammar_problem(source, lenient=True):
+                    problem += " (lenient: true accepts it with those keywords unenforced)"
+            raise ValueError(f"invalid {self.type}: {problem}")
         return self
+
+    def _grammar_problem(self, source: str, *, lenient: bool) -> str | None:
+        try:
+            if lenient and self.json_schema is not None:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.json_schema, _LENIENT)
+            else:
+                kind = "json_schema" if self.type == "json_object" else self.type
+                grammar = llguidance.grammar_from(kind, source)
+            return llguidance.LLMatcher.validate_grammar(grammar).strip() or None
+        except ValueError as exc:
+            return str(exc).strip()
 
     def source(self) -> str:
         """The grammar's text: the schema as JSON, the regex or the grammar."""
@@ -206,6 +253,14 @@ class JobRequest(_StrictTypes):
     )
     prompt_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="Prompt as token ids of the model's tokenizer."
+    )
+    tools: list[Tool] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TOOLS,
+        description="Functions the model may call (with messages only): given to the chat "
+        "template where it renders tools, else described in the system message (Hermes "
+        "format). The calls come back as text; the gateway reads them.",
     )
     max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 is greedy.")
@@ -241,10 +296,33 @@ class JobRequest(_StrictTypes):
     # Structured output and the controls around it (docs/jobs.md: Sampling, Structured
     # output); bounds as OpenAI's.
     presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted once from each of the last 20 tokens."
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted once from the logit of each token generated so far (OpenAI's; "
+        "the prompt is not counted), or of the last penalty_window tokens.",
     )
     frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the last 20 tokens."
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted from a token's logit per time it was generated so far "
+        "(OpenAI's), or per occurrence in the last penalty_window tokens.",
+    )
+    penalty_window: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Absent: the penalties count the whole output (presence, frequency: "
+        "generated tokens only, as OpenAI and vLLM; repetition: prompt and output, as vLLM). "
+        "N: mlx-lm's form, all three over the last N tokens of prompt + output (mlx-lm's "
+        "default N is 20).",
+    )
+    sampling_order: Literal["temperature_first", "filters_first"] = Field(
+        "temperature_first",
+        description="temperature_first (vLLM's): top_k, top_p, min_p filter the "
+        "distribution after temperature; filters_first (mlx-lm's, llama.cpp's): they "
+        "filter the temperature-1 distribution and temperature applies to what is left.",
     )
     logit_bias: dict[str, float] = Field(
         default_factory=dict,
@@ -252,7 +330,24 @@ class JobRequest(_StrictTypes):
         description="Token id (decimal string) -> bias in [-100, 100] added to its logit.",
     )
     min_tokens: int = Field(
-        0, ge=0, le=1_000_000, description="No end token before this many outputs."
+        0,
+        ge=0,
+        le=1_000_000,
+        description="No end token and no stop string ends the job before this many outputs "
+        "(vLLM's); a stop string met earlier stays in the text.",
+    )
+    skip_special_tokens: bool = Field(
+        True, description="Leave special tokens (chat markers, end tokens) out of the text."
+    )
+    spaces_between_special_tokens: bool = Field(
+        True,
+        description="Special tokens kept in the text are set apart from their neighbours by a "
+        "space (vLLM's default); false: as the tokenizer decodes them.",
+    )
+    token_texts: bool = Field(
+        False,
+        description="Token events carry token_texts: the text of each token id they name (the "
+        "token, its top_logprobs, the prompt's with prompt_logprobs), decoded alone.",
     )
     response_format: ResponseFormat | None = Field(
         None, description="Hold the output to a JSON schema, any JSON object, a regex or a grammar."
@@ -302,6 +397,14 @@ class JobRequest(_StrictTypes):
             )
         if any(not s for s in self.stop):
             raise _FieldError("stop", "stop strings must not be empty")
+        if self.tools is not None:
+            if self.messages is None:
+                raise _FieldError("tools", "tools apply to messages only")
+            size = len(orjson.dumps([t.model_dump(exclude_none=True) for t in self.tools]))
+            if size > MAX_TOOLS_BYTES:
+                raise _FieldError(
+                    "tools", f"{size} bytes encoded exceed the limit {MAX_TOOLS_BYTES}"
+                )
         for token, bias in self.logit_bias.items():
             if not _is_token_id(token) or not -100.0 <= bias <= 100.0:
                 raise _FieldError(
@@ -338,6 +441,11 @@ class JobRequest(_StrictTypes):
                 "frequency_penalty",
                 "min_tokens",
                 "prompt_logprobs",
+                "penalty_window",
+                "sampling_order",
+                "skip_special_tokens",
+                "spaces_between_special_tokens",
+                "token_texts",
             }
         ) | {"logit_bias": tuple((int(t), b) for t, b in self.logit_bias.items())}
 
@@ -375,6 +483,19 @@ class _FieldError(ValueError):
 
 class _TooComplex(_FieldError):
     """A value nested too deep or too large to validate safely."""
+
+
+def _bounded_schema_in(data: Any, key: str, *, where: str) -> Any:
+    """``data`` (a model's raw input), once the JSON schema at ``key`` is walked within
+    MAX_SCHEMA_DEPTH and MAX_SCHEMA_NODES (before anything recursive reads it); raises
+    _TooComplex naming ``where``."""
+    if isinstance(data, dict) and key in data:
+        problem = json_bounds_problem(
+            data[key], max_depth=MAX_SCHEMA_DEPTH, max_nodes=MAX_SCHEMA_NODES
+        )
+        if problem:
+            raise _TooComplex(where, problem)
+    return data
 
 
 def json_bounds_problem(value: Any, *, max_depth: int, max_nodes: int) -> str | None:
@@ -507,6 +628,12 @@ def encode_job(job: JobRequest) -> bytes:
 class Usage(_Strict):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Prompt tokens whose KV the daemon took from its prefix cache (full "
+        "blocks shared with earlier jobs); unset by daemons that do not report it.",
+    )
 
 
 class Timings(_Strict):
@@ -536,8 +663,11 @@ class Event(_Strict):
     each token event names its sequence in ``index``, and the final event lists
     every sequence in ``choices`` (its ``text`` is sequence 0's, its ``usage``
     counts the prompt once and the tokens of all sequences). With n=1 neither
-    field is present.
+    field is present. No number in it is NaN or infinite (JSON has neither: an event
+    that would hold one is refused when it is made, never published unreadable).
     """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     seq: int = Field(ge=0, description="0, 1, 2, ... with no gap or duplicate.")
     index: int | None = Field(
@@ -546,7 +676,16 @@ class Event(_Strict):
     token_id: int | None = None
     text: str = ""
     logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+    top_logprobs: list[tuple[int, float]] | None = Field(
+        None,
+        description="[token id, logprob] best first (jobs with logprobs > 0); only tokens the "
+        "job could produce: fewer when its grammar forbids the rest.",
+    )
+    token_texts: dict[int, str] | None = Field(
+        None,
+        description="Token id -> its text decoded alone, for each id this event names (jobs "
+        "with token_texts).",
+    )
     prompt_logprobs: list[tuple[int, float | None]] | None = Field(
         None,
         description="[token id, logprob] of each prompt token, the first's logprob null "
@@ -587,6 +726,8 @@ class Event(_Strict):
                 fields["logprob"] = self.logprob
             if self.top_logprobs is not None:
                 fields["top_logprobs"] = self.top_logprobs
+            if self.token_texts is not None:
+                fields["token_texts"] = {str(t): text for t, text in self.token_texts.items()}
             return orjson.dumps(fields)
         return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
 
@@ -602,6 +743,11 @@ class JobStatus(BaseModel):
 
     state: JobState
     queue: str | None = None
+    entry_id: str | None = Field(
+        None,
+        description="Stream id of the job's entry on its queue, stored with the entry at "
+        "submit by batchd's clients (unset for a raw XADD).",
+    )
     error: str | None = None
     daemon: str | None = Field(None, description="Consumer name of the daemon holding the job.")
     queued_at: float | None = None
@@ -669,6 +815,21 @@ class DaemonHeartbeat(BaseModel):
     jobs_done: dict[str, int] = Field(default_factory=dict)
     redis_down: bool = False
     stopping: bool = False
+    version: str | None = Field(None, description="The daemon's batchd version.")
+    kv_blocks_used: int | None = Field(None, description="KV pool blocks in use.")
+    kv_blocks_total: int | None = Field(None, description="KV pool blocks in all.")
+    max_model_len: int | None = Field(
+        None, description="The model's context bound: prompt plus output tokens of one job."
+    )
+    controls: list[str] = Field(
+        default_factory=list,
+        description="Requests of <prefix>:control:<consumer> the daemon obeys "
+        "(pause, resume, drain).",
+    )
+    paused: bool = Field(False, description="Intake paused by a control request.")
+    draining: bool = Field(
+        False, description="Finishing its held jobs, taking none, then exiting (a drain)."
+    )
 
 
 def now() -> float:

@@ -187,7 +187,8 @@ def render(snapshot: Snapshot) -> str:
 def _daemon_row(d: DaemonView) -> list[object]:
     beat = d.heartbeat
     kv = beat.get("kv_usage")
-    state = "stopping" if beat.get("stopping") else "redis down" if beat.get("redis_down") else "up"
+    states = ("draining", "stopping", "redis_down", "paused")
+    state = next((s.replace("_", " ") for s in states if beat.get(s)), "up")
     return [
         d.consumer,
         beat.get("model") or "-",

@@ -41,6 +41,9 @@ class Verdict:
     # Jobs not completed whose subscriber read tokens that are not a prefix of the
     # reference: two runs mixed in what a user read.
     mixed_runs: int = 0
+    # Jobs whose stored end (its final event, while results are kept) is not the end their
+    # subscriber read: e.g. a client read "length", Redis now says the job failed.
+    stored_end_differs: int = 0
     wrong_answers: int = 0
     unexpected_dead_letters: int = 0
     unexpected_exits: int = 0
@@ -57,6 +60,7 @@ class Verdict:
             "outputs differing from the reference (seeded)": self.differing_seeded,
             "outputs differing from the reference (unseeded)": self.differing_unseeded,
             "streams a subscriber read mixing two runs": self.mixed_runs,
+            "stored ends differing from the end a subscriber read": self.stored_end_differs,
             "hostile entries not dead-lettered exactly once": (
                 self.hostile_sent - self.hostile_dead_lettered
             ),
@@ -160,6 +164,12 @@ def _judge_stored(
         verdict.broken_streams += 1
         verdict.findings.append(f"{job_id}: stored stream broken")
     finals = sum(e.final for e in stored)
+    if finals == 1 and stored[-1].finish_reason != delivered[-1].finish_reason:
+        verdict.stored_end_differs += 1
+        verdict.findings.append(
+            f"{job_id}: stored end {stored[-1].finish_reason} {stored[-1].error or ''}; "
+            f"its subscriber read {delivered[-1].finish_reason}"
+        )
     if finals > 1 or (finals == 1 and _tokens(stored) != _tokens(delivered)):
         verdict.completed_twice += 1
         verdict.findings.append(

@@ -3,7 +3,8 @@
 Runs the selected workloads against mlx-lm's BatchGenerator, mlx-lm
 sequential generation and static batching in one process, writes
 report.json / report.md / report.png, and prints the headline ratios as the
-last line. Progress goes to stderr.
+last line. Progress goes to stderr. ``--workload gateway`` measures one gateway
+process under load instead (batchd.daemon.bench.gateway): report.json / report.md.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--workload",
         default="all",
-        choices=["mixed", "shared-prefix", "online", "queue", "all", "online-sweep"],
+        choices=["mixed", "shared-prefix", "online", "queue", "all", "online-sweep", "gateway"],
         help="which workload to run (default: all: the first four; online-sweep runs the "
-        "online arrivals at several prefill bounds, see --sweep-bounds)",
+        "online arrivals at several prefill bounds, see --sweep-bounds; gateway measures one "
+        "batchd gateway process under load, in front of a daemon on --model (default: tiny) "
+        "and a private redis-server, see the --gateway-* options)",
     )
     add_model_option(
         p,
-        help="a preset (random-weight shapes, or smollm2: the real SmolLM2-135M), built into "
+        help="a preset (random-weight shapes, bench-moe a mixture of experts; smollm2, "
+        "gemma3-270m: the real SmolLM2-135M and Gemma 3 270M), built into "
         f"{model_cache()}/NAME if absent, a model directory (mlx-lm format) or a .gguf file; "
         "--preset is the same option (default: bench-small)",
     )
@@ -81,6 +85,41 @@ def register(sub: Any) -> None:
         "median ratio (default: at least 3, more while the rounds have taken under 240 s, "
         "at most 11)",
     )
+    p.add_argument(
+        "--gateway-requests",
+        type=_positive,
+        default=1000,
+        metavar="N",
+        help="gateway: requests of each rate scenario, 16 and 256 in flight (default: 1000)",
+    )
+    p.add_argument(
+        "--gateway-burst",
+        type=_positive,
+        default=300,
+        metavar="N",
+        help="gateway: requests sent at once (default: 300)",
+    )
+    p.add_argument(
+        "--gateway-streams",
+        type=_positive,
+        default=1000,
+        metavar="N",
+        help="gateway: SSE streams open at once, each checked for every token (default: 1000)",
+    )
+    p.add_argument(
+        "--gateway-outage-s",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="gateway: seconds Redis is down in the restart scenario (default: 1)",
+    )
+    p.add_argument(
+        "--gateway-after-s",
+        type=_positive_seconds,
+        default=8.0,
+        metavar="S",
+        help="gateway: seconds the steady load goes on after Redis is back (default: 8)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
     p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
@@ -93,6 +132,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -133,6 +182,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     Run batchd's engine and its peers on the same model and seeded requests, side by side, and
     report throughput ratios, latency and model-FLOPs utilisation.
     """
+    if args.workload == "gateway":
+        return bench_gateway(args)
     # Without the daemon or bench extra these raise ModuleNotFoundError, which the
     # dispatcher (batchd.daemon.cli) turns into the install command.
     from batchd.daemon.bench.progress import Progress
@@ -180,6 +231,41 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     )
     report = run_bench(options, Progress())
     paths = write_report(report, Path(args.out))
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    print(report["headline"])
+    return 0
+
+
+def bench_gateway(args: argparse.Namespace) -> int:
+    """The gateway workload: its own redis-server, daemon and gateway (not --redis-url)."""
+    # Not the model workloads' modules: those load mlx-lm, which lowers the open-files
+    # limit this process needs (a socket per request).
+    from batchd.daemon.bench.gateway.load import GatewayOptions, run_gateway
+    from batchd.daemon.bench.gateway.report import write_gateway_report
+    from batchd.daemon.bench.progress import Progress
+
+    model = args.model or "tiny"
+    options = GatewayOptions(
+        requests=args.gateway_requests,
+        burst=args.gateway_burst,
+        streams=args.gateway_streams,
+        outage_s=args.gateway_outage_s,
+        after_s=args.gateway_after_s,
+        model=model,
+        command=(
+            f"batchd bench --workload gateway --model {model}"
+            f" --gateway-requests {args.gateway_requests} --gateway-burst {args.gateway_burst}"
+            f" --gateway-streams {args.gateway_streams}"
+            f" --gateway-outage-s {args.gateway_outage_s:g}"
+            f" --gateway-after-s {args.gateway_after_s:g}"
+        ),
+    )
+    try:
+        report = run_gateway(options, Progress())
+    except RuntimeError as exc:  # a process of the stack failed, or no redis-server
+        print(f"batchd bench: gateway: {exc}", file=sys.stderr)
+        return 1
+    paths = write_gateway_report(report, Path(args.out))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     print(report["headline"])
     return 0

@@ -133,8 +133,10 @@ def _gateway_check() -> Check:
 def _redis_check(settings: Settings) -> Check:
     import redis
 
-    url = redact(settings.redis_url)
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3)
+    from batchd.producers.connection import redis_client
+
+    url = redact(settings.connection_url())
+    client = redis_client(settings.connection_url(), socket_connect_timeout=3, socket_timeout=3)
     try:
         info = client.info("server")
     except redis.RedisError as exc:

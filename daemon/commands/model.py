@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
-from batchd.engine.models.registry import FIXTURE_PRESETS, PACKAGED, PRESET_NAMES
+from batchd.engine.models.registry import (
+    ARCH_PRESETS,
+    FIXTURE_PRESETS,
+    PACKAGED,
+    PRESET_NAMES,
+)
 from batchd.producers.commands.subcommand import add_command, add_model_option
 
 
@@ -57,10 +62,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     # (batchd.daemon.cli) turns into the install command.
     from batchd.engine.models.gguf_convert import convert_gguf
     from batchd.engine.models.model_fixture import FixtureSpec, make_model
-    from batchd.engine.models.registry import packaged_gguf
+    from batchd.engine.models.registry import ensure_preset, packaged_gguf
 
     try:
         source = _source(args)
+        if source in ARCH_PRESETS:
+            path = ensure_preset(source, path=Path(args.out_dir))
+            print(f"wrote {source} model to {path}")
+            return 0
         if source not in FIXTURE_PRESETS:
             gguf = packaged_gguf(source) if source in PACKAGED else Path(source)
             path = convert_gguf(gguf, Path(args.out_dir), keep_quantized=args.keep_quantized)

@@ -18,6 +18,7 @@ from pathlib import Path
 import redis
 
 from batchd.daemon.redis_server import RedisServer, free_port
+from batchd.producers.connection import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class DemoRedis:
 
 
 def _answers(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.3, socket_timeout=0.5)
+    client = redis_client(url, socket_connect_timeout=0.3, socket_timeout=0.5)
     try:
         return bool(client.ping())
     except (redis.RedisError, OSError):

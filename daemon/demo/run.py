@@ -26,6 +26,7 @@ from typing import Any
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 from batchd.config.secrets import redact
+from batchd.config.sentinel import SentinelSettings
 from batchd.config.settings import Settings
 from batchd.daemon.demo.find_redis import find_redis
 from batchd.daemon.demo.jobs import CHAT_JOBS, FILLER_JOBS, DemoJob
@@ -78,7 +79,8 @@ def demo_settings(settings: Settings, *, redis_url: str, model: Path) -> Setting
     )
     return settings.model_copy(
         update={
-            "redis_url": redis_url,
+            "redis_url": redis_url,  # the configured Sentinel's URL too, when it answered
+            "sentinel": SentinelSettings(),
             "key_prefix": prefix,
             "queues": ["demo"],
             "model": str(model),
@@ -171,7 +173,7 @@ def run_demo(
     model: str | None = None,
     model_dir: Path | None = None,
 ) -> int:
-    found = find_redis(settings.redis_url)
+    found = find_redis(settings.connection_url())
     print(f"batchd demo: Redis: {found.kind} at {redact(found.url)}", flush=True)
     try:
         served = ensure_model(preset=preset, model=model, model_dir=model_dir)

@@ -1,1 +1,2 @@
-"""A daemon among others: its heartbeat, claiming dead daemons' jobs, trimming shared queues."""
+"""A daemon among others: its heartbeat, the operator's controls (pause, drain), claiming
+dead daemons' jobs, trimming shared queues."""

@@ -3,7 +3,9 @@
 It runs on its own thread and its own Redis connection, so neither a blocking
 XREADGROUP nor a long engine step can starve it (no MLX here: the engine
 thread publishes a snapshot dict, this thread only reads it). Other daemons
-claim this one's jobs only once the key has expired.
+claim this one's jobs only once the key has expired. After each beat the thread also
+reads the daemon's control hash (pause, drain: batchd.daemon.fleet.controls), so an
+operator's request costs one command a beat, never one a step.
 
 The key is owned: its body names this process's ``instance`` (host, pid, a
 random tag), and it is set, refreshed or deleted only by a script that checks
@@ -26,6 +28,10 @@ from typing import Any
 import orjson
 import redis
 
+from batchd import __version__
+from batchd.config.settings import Settings
+from batchd.daemon.fleet.controls import CONTROLS, ControlWatch
+from batchd.producers.keys import Keys
 from batchd.producers.schema import DaemonHeartbeat
 
 log = logging.getLogger(__name__)
@@ -77,8 +83,12 @@ class Heartbeat:
         ttl_s: float,
         info: dict[str, Any],
         stall_timeout_s: float = float("inf"),
+        watch: ControlWatch | None = None,
     ) -> None:
+        """``watch``: the control hash read after each beat (and once at :meth:`acquire`,
+        before the daemon reads any job)."""
         self.redis = client
+        self.watch = watch
         self.key = key
         self.interval_s = interval_s
         self.ttl_s = ttl_s
@@ -123,6 +133,8 @@ class Heartbeat:
         while True:
             try:
                 self.beat()
+                if self.watch is not None:
+                    self.watch.read()
                 return
             except ConsumerTaken:
                 if time.monotonic() >= deadline:
@@ -162,6 +174,8 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.beat()
+                if self.watch is not None:
+                    self.watch.read()
                 if self._failing:
                     log.info("heartbeat %s restored", self.key)
                 self._failing = None
@@ -188,3 +202,28 @@ class Heartbeat:
         self.remove()
         logging.shutdown()
         os._exit(EXIT_STALLED)
+
+
+def daemon_heartbeat(
+    settings: Settings, watch: ControlWatch, consumer: str, max_model_len: int | None
+) -> Heartbeat:
+    """The heartbeat of a daemon serving ``settings``' queues as ``consumer``: what it
+    serves (model, queues, context bound, version), the controls it obeys, read by
+    ``watch`` after each beat on the watch's connection."""
+    keys, opts = Keys(settings.key_prefix), settings.daemon
+    return Heartbeat(
+        watch.redis,
+        keys.daemon(consumer),
+        interval_s=opts.heartbeat_interval_s,
+        ttl_s=opts.heartbeat_ttl_s,
+        info={
+            "consumer": consumer,
+            "model": settings.model,
+            "queues": list(settings.queues),
+            "version": __version__,
+            "max_model_len": max_model_len,
+            "controls": list(CONTROLS),
+        },
+        stall_timeout_s=opts.stall_timeout_s,
+        watch=watch,
+    )

@@ -39,7 +39,7 @@ SCAN = 1000
 # timeout s, then its own. One rule says who is dead, so claiming and forgetting never
 # disagree: the heartbeat key is gone (expired, or deleted at a graceful stop), or it
 # says the daemon has work and completed no step for the stall timeout (a wedged engine).
-_DEAD = """
+DEAD_RULE = """
 local function dead(name)
   local beat = redis.call('GET', ARGV[1] .. name)
   if not beat then return true end
@@ -56,7 +56,7 @@ end
 # Returns {claimed, deleted}: {entry id, delivery count, previous owner, {field, value, ...}}
 # per claimed entry, and the ids of pending entries whose stream entry was gone (acked).
 _CLAIM = (
-    _DEAD
+    DEAD_RULE
     + """
 local out = {}
 local deleted = {}
@@ -84,7 +84,7 @@ return {out, deleted}
 
 # KEYS[1] queue stream. Returns how many consumers were removed.
 _FORGET = (
-    _DEAD
+    DEAD_RULE
     + """
 local gone = 0
 for _, info in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[2])) do

@@ -43,7 +43,6 @@ class WorkerState(Protocol):
     backoff: Backoff
     meter: Meter
     queues: list[str]
-    stopping: bool
 
     @property
     def held(self) -> Mapping[str, Job]: ...

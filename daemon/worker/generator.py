@@ -75,6 +75,9 @@ class Generator(Protocol):
     # CPU): the daemon then waits for each publish round trip between steps rather than
     # running it beside the next step (batchd.daemon.worker.cadence).
     steps_use_cpu: bool = False
+    # The model's context bound (prompt plus outputs of one sequence), announced in the
+    # heartbeat for gateways to refuse what cannot fit; None where the engine has none.
+    max_model_len: int | None = None
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         """Prompt token ids of a job (chat template applied); raises JobRejected."""

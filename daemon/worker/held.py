@@ -138,6 +138,8 @@ class HeldJobs(Mapping[str, Job]):
                         top_logprobs=out.top_logprobs,
                         index=out.sample,
                         prompt_logprobs=out.prompt_logprobs,
+                        cached_tokens=out.cached_tokens,
+                        token_texts=out.token_texts,
                     )
                 if out.finish_reason is not None:
                     reason = FINISH_REASONS[out.finish_reason]

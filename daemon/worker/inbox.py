@@ -21,6 +21,7 @@ from batchd.config.settings import Settings
 from batchd.daemon.fleet.durable import DurabilityWatch
 from batchd.daemon.fleet.housekeeping import trim_acked
 from batchd.daemon.fleet.recovery import Recovery
+from batchd.daemon.fleet.sweep import Sweep
 from batchd.daemon.worker.acks import Acks
 from batchd.daemon.worker.held import HeldJobs
 from batchd.daemon.worker.intake import Intake
@@ -59,7 +60,13 @@ class Inbox:
             member, heartbeat_ttl_s=opts.heartbeat_ttl_s, stall_timeout_s=opts.stall_timeout_s
         )
         self.acks = Acks(member)
-        self.durable = DurabilityWatch(member)
+        self.durable = DurabilityWatch(member, result_ttl_s=settings.result_ttl_s)
+        self.sweep = Sweep(
+            member,
+            heartbeat_ttl_s=opts.heartbeat_ttl_s,
+            stall_timeout_s=opts.stall_timeout_s,
+            result_ttl_s=settings.result_ttl_s,
+        )
         # The last claim failure logged: a failure that repeats every interval is logged once.
         self.claim_error: str | None = None
 
@@ -96,18 +103,22 @@ class Inbox:
             log.error("consumer group missing (%s); creating it again", exc)
             self.member.create_groups(self.queues)
 
-    def claim(self) -> None:
+    def claim(self, *, take_over: bool = True) -> None:
         """Acks left to retry, ended jobs whose end Redis lost (picked up again), this
-        daemon's strays, dead daemons' entries (up to the room left), and housekeeping
-        (trimming acked entries, forgetting dead consumers)."""
+        daemon's strays, dead daemons' entries (up to the room left; none unless
+        ``take_over``: a paused daemon takes no new job), and housekeeping (trimming
+        acked entries, forgetting dead consumers, the sweep of ``running`` jobs nothing
+        will run: batchd.daemon.fleet.sweep)."""
         try:
             self.acks.retry()
             self.reader.put_back(self.durable.lost())
             for queue in self.queues:
                 self.admit(self.recovery.strays(queue, held=self._accounted()))
-                self.admit(self.recovery.claim(queue, limit=self.held.room()))
-                trim_acked(self.member.redis, self.member.keys.queue(queue))
+                if take_over:
+                    self.admit(self.recovery.claim(queue, limit=self.held.room()))
+                trim_acked(self.member.redis, self.member.keys.queue(queue), keys=self.member.keys)
                 self.recovery.forget_dead(queue)
+            self.sweep.run(held=self._accounted())
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="claiming jobs of dead daemons")
         except redis.ResponseError as exc:

@@ -84,6 +84,8 @@ class Job:
     # the crashes counted against it while it ran alone.
     alone: bool = False
     alone_crashes: int = 0
+    # Prompt tokens the engine took from its prefix cache (its first output says).
+    cached_tokens: int | None = None
     _key: str | None = field(default=None, repr=False)
 
     @property
@@ -156,10 +158,16 @@ class Job:
         top_logprobs: list[tuple[int, float]] | None = None,
         index: int = 0,
         prompt_logprobs: list[float] | None = None,
+        cached_tokens: int | None = None,
+        token_texts: dict[int, str] | None = None,
     ) -> None:
         """Append one generated token of sequence ``index`` as the next seq, with the
-        prompt's logprobs (after its first token) when they come with it."""
+        prompt's logprobs (after its first token) when they come with it; the first
+        ``cached_tokens`` reported (the prefix-cache hit) goes to the final usage;
+        ``token_texts`` (jobs that asked) names the token ids the event holds."""
         assert not self.ended, f"job {self.job_id}: token after the final event"
+        if self.cached_tokens is None and cached_tokens is not None:
+            self.cached_tokens = min(cached_tokens, len(self.prompt_token_ids))
         if self.timings.first_token is None:
             self.timings.first_token = time.time()
             self.set_status(first_token_at=self.timings.first_token)
@@ -171,6 +179,7 @@ class Job:
                 text=text,
                 logprob=logprob,
                 top_logprobs=top_logprobs,
+                token_texts=token_texts,
                 prompt_logprobs=None
                 if prompt_logprobs is None
                 else list(zip(self.prompt_token_ids, [None, *prompt_logprobs], strict=True)),
@@ -215,6 +224,7 @@ class Job:
                 usage=Usage(
                     prompt_tokens=len(self.prompt_token_ids),
                     completion_tokens=len(self.output_token_ids),
+                    cached_tokens=self.cached_tokens,
                 ),
                 timings=self.timings.model_copy(),
                 error=error,

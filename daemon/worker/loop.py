@@ -9,7 +9,8 @@ Redis is ``PublishCadence``'s. A delivery goes one way: read, picked up, held an
 started, its outbox filled by steps and emptied by publishes, gone once its final
 event and ack are stored. Signals set a flag: intake stops, running jobs get the grace
 period to finish, the rest stay pending in the group (their published events are the
-checkpoint), and ``run`` returns.
+checkpoint), and ``run`` returns. An operator's pause closes intake only; a drain is
+a stop whose jobs all get to finish (batchd.daemon.fleet.controls).
 
 While Redis is away the engine keeps stepping: new tokens wait in each job's
 outbox, in order, and the publisher retries with backoff (capped at
@@ -26,7 +27,8 @@ from functools import partial
 import redis
 
 from batchd.config.settings import Settings
-from batchd.daemon.fleet.heartbeat import Heartbeat
+from batchd.daemon.fleet.controls import ControlWatch, Stop
+from batchd.daemon.fleet.heartbeat import daemon_heartbeat
 from batchd.daemon.fleet.poison import mark_alone
 from batchd.daemon.ops.observer import Ops, StepDone
 from batchd.daemon.worker.cadence import PublishCadence
@@ -100,38 +102,30 @@ class Worker:
             self.member, settings, encode=generator.encode, held=self.held, backoff=self.backoff
         )
         self.cancels = Cancellations(self.keys)
-        self.heartbeat = Heartbeat(
-            connect(settings),
-            self.keys.daemon(consumer),
-            interval_s=opts.heartbeat_interval_s,
-            ttl_s=opts.heartbeat_ttl_s,
-            info={"consumer": consumer, "model": settings.model, "queues": list(settings.queues)},
-            stall_timeout_s=opts.stall_timeout_s,
+        self.controls = ControlWatch(connect(settings), self.keys.control(consumer))
+        self.heartbeat = daemon_heartbeat(
+            settings, self.controls, consumer, generator.max_model_len
         )
         # When the engine last made progress: its last completed step, or now while idle.
         self.last_step_at = time.time()
         # How long the last step took (0 while idle): decides whether publishing overlaps.
         self.last_step_s = 0.0
         self.figures_due = 0.0
-        self.stopping = False
-        self.deadline = float("inf")
+        self.stop = Stop()
         self.next_claim = 0.0
 
     # -- control from outside (signal handlers, the demo) ---------------------------------
 
-    def request_stop(self) -> None:
-        """First call: stop intake, give running jobs the grace period. Second: stop now."""
-        if self.stopping:
-            self.deadline = 0.0
+    def request_stop(self, *, drain: bool = False) -> None:
+        """First call: stop intake, give running jobs the grace period (``drain``: all the
+        time they need). Second (not a drain): the grace period if draining, else stop now."""
+        grace = self.settings.daemon.grace_period_s
+        if not self.stop.request(drain=drain, grace_s=grace):
             return
-        self.stopping = True
-        self.deadline = time.monotonic() + self.settings.daemon.grace_period_s
         self.ops.stopping(self.held)
-        log.info(
-            "stopping: intake closed, %d job(s) get %.0fs to finish",
-            len(self.held),
-            self.settings.daemon.grace_period_s,
-        )
+        wait = "all the time they need" if drain else f"{grace:.0f}s"
+        what = "draining" if drain else "stopping"
+        log.info("%s: intake closed, %d job(s) get %s to finish", what, len(self.held), wait)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -157,20 +151,18 @@ class Worker:
         self._leave()
 
     def _idle(self) -> bool:
-        return not self.held and not self.gen.has_work() and not self.stopping
+        return not (self.held or self.gen.has_work() or self.stop.stopping or self.controls.paused)
 
     def _done(self) -> bool:
-        if not self.stopping:
-            return False
-        return not self.held or time.monotonic() >= self.deadline
+        return self.stop.done(holding=bool(self.held))
 
     def step(self) -> None:
         """One engine step; its tokens go to the jobs' outboxes."""
         if not self.gen.has_work():
             self.last_step_s = 0.0
-            # Intake does not block while Redis is away: without this the loop would spin.
-            if self.backoff.down:
-                time.sleep(min(self.backoff.delay(), 0.1))
+            # Intake does not block while Redis is away or paused: else the loop would spin.
+            if self.backoff.down or self.controls.paused:
+                time.sleep(min(self.backoff.delay(), 0.1) if self.backoff.down else 0.1)
             return
         began = time.monotonic()
         outputs = self.gen.step()
@@ -209,24 +201,20 @@ class Worker:
             busy = self.gen.has_work()
             if not busy:
                 self.last_step_at = time.time()
-            self.heartbeat.update(
-                **self.meter.figures(
-                    self.gen.stats(),
-                    busy=busy,
-                    last_step_at=self.last_step_at,
-                    jobs_held=len(self.held),
-                    redis_down=self.backoff.down,
-                    stopping=self.stopping,
-                )
-            )
+            state = {"busy": busy, "last_step_at": self.last_step_at, "jobs_held": len(self.held)}
+            state.update(redis_down=self.backoff.down, paused=self.controls.paused)
+            state.update(stopping=self.stop.stopping, draining=self.stop.draining)
+            self.heartbeat.update(**self.meter.figures(self.gen.stats(), **state))
+        if self.controls.requested.drain:
+            self.request_stop(drain=True)
         self.ops.tick(self)
         opts = self.settings.daemon
         # After an outage, live daemons need a heartbeat TTL to refresh their keys.
         settled = now - self.backoff.up_since >= opts.heartbeat_ttl_s
-        if self.stopping or now < self.next_claim or self.backoff.down or not settled:
+        if self.stop.stopping or now < self.next_claim or self.backoff.down or not settled:
             return
         self.next_claim = now + opts.claim_interval_s
-        self.inbox.claim()
+        self.inbox.claim(take_over=not self.controls.paused)
 
     def publish(self) -> None:
         """Send one pipeline: the outboxes due (PublishCadence.due), new cancellations
@@ -241,7 +229,8 @@ class Worker:
         extras: list[Piggyback] = [self.cancels]
         room = self.held.room(ending_now=True)
         busy = bool(self.held) or working
-        if busy and room > 0 and not self.stopping and not self.backoff.down:
+        closed = self.stop.stopping or self.controls.paused or self.backoff.down
+        if busy and room > 0 and not closed:
             self.inbox.reader.count = room
             extras.append(self.inbox.reader)
         self._apply(self.cadence.send(jobs, extras, step_s=self.last_step_s))
@@ -271,7 +260,7 @@ class Worker:
         """Check the server, take the heartbeat, create groups, take back own pending
         jobs; retry while Redis is away. False if asked to stop first. Raises
         ClusterUnsupported or ConsumerTaken when this daemon must not start."""
-        while not self.stopping:
+        while not self.stop.stopping:
             try:
                 refuse_cluster(self.redis)
                 self.heartbeat.acquire()
@@ -302,5 +291,7 @@ class Worker:
             log.warning("could not store the last events (%s); they will be regenerated", exc)
         if unfinished:
             log.info("%d unfinished job(s) left pending for another daemon", len(unfinished))
+        if self.stop.draining:
+            self.controls.drained()
         self.heartbeat.stop(remove=True)
         self.redis.close()

@@ -53,12 +53,14 @@ class Meter:
     def figures(self, stats: StepStats, **state: Any) -> dict[str, Any]:
         """The heartbeat's figures (batchd.producers.schema.DaemonHeartbeat): the engine's
         load after its last step, these counters, and the daemon's ``state`` (busy,
-        last_step_at, jobs_held, redis_down, stopping)."""
+        last_step_at, jobs_held, redis_down, stopping, paused, draining)."""
         return {
             **state,
             "running": stats.num_running,
             "waiting": stats.num_waiting,
             "kv_usage": round(stats.kv_usage, 4),
+            "kv_blocks_used": stats.kv_blocks_used,
+            "kv_blocks_total": stats.kv_blocks_total,
             "tokens_per_s": round(self.tokens_per_s(), 1),
             "jobs_done": dict(self.jobs_finished),
         }

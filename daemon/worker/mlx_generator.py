@@ -26,6 +26,7 @@ class MLXGenerator:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.steps_use_cpu = mx.default_device() == mx.cpu
+        self.max_model_len: int | None = engine.max_model_len
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig) -> MLXGenerator:
@@ -34,6 +35,11 @@ class MLXGenerator:
 
     def encode(self, job_id: str, request: JobRequest) -> list[int]:
         messages = None if request.messages is None else [m.model_dump() for m in request.messages]
+        tools = (
+            None
+            if request.tools is None
+            else [t.model_dump(exclude_none=True) for t in request.tools]
+        )
         try:
             return encode_prompt(
                 self.engine.tokenizer,
@@ -41,6 +47,7 @@ class MLXGenerator:
                 prompt=request.prompt,
                 prompt_token_ids=request.prompt_token_ids,
                 messages=messages,
+                tools=tools,
             )
         except InvalidRequest as exc:  # the tokenizer refused it, or it is empty; bugs propagate
             raise JobRejected(job_id, f"prompt: {exc}") from exc
@@ -82,4 +89,6 @@ def _constraint(response_format: ResponseFormat | None) -> Constraint | None:
     """The engine's grammar for a job's response_format (InvalidRequest if it is invalid)."""
     if response_format is None:
         return None
-    return Constraint(response_format.type, response_format.source())
+    return Constraint(
+        response_format.type, response_format.source(), lenient=response_format.lenient
+    )

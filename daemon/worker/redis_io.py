@@ -12,6 +12,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from batchd.config.settings import Settings
+from batchd.producers.connection import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,16 @@ def refuse_cluster(client: redis.Redis) -> None:
 
 
 def connect(settings: Settings) -> redis.Redis:
-    """A client for the daemon's loop or heartbeat.
+    """A client for the daemon's loop or heartbeat, on a standalone Redis or a Sentinel
+    deployment's master (which it follows across a failover: see
+    :mod:`batchd.producers.connection`).
 
     socket_timeout exceeds XREADGROUP's BLOCK (redis-py #2807, #3138), and one
     quick retry reconnects a connection that a Redis restart left stale; longer
     outages are the worker's backoff to handle, not redis-py's.
     """
-    return redis.Redis.from_url(
-        settings.redis_url,
+    return redis_client(
+        settings.connection_url(),
         socket_timeout=settings.daemon.block_ms / 1000 + 5.0,
         socket_connect_timeout=2.0,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),

@@ -12,9 +12,11 @@ in mlx-lm.
 A step is one model call for all decodes together (rows of one token, each
 with its own position: rope's offset is an array, as in mlx-lm's
 BatchKVCache) and one call per prefill chunk (one row at an integer offset).
-Every layer keeps every position's K/V, sliding-window layers included, and the
-window is applied by the mask: prefix caching and preemption stay correct for
-them (the memory a window could save is not saved).
+The window of sliding-window layers is applied by the mask. When every layer has
+one (ModelSpec.kv_window), the block manager gives back the blocks a sequence's
+window has passed and marks them RELEASED in its table: they are read as block 0,
+and masked. A model with any full-attention layer keeps every position's K/V in
+every layer (one pool shape for all layers), so its sliding layers save nothing.
 
 The specialised runner (batchd.engine.forward.model_runner) stays the path of
 the families it covers; the loader chooses (ModelSpec.generic).
@@ -157,6 +159,8 @@ class GenericRunner:
             tables[r, :used] = np.asarray(c.block_table[:used], dtype=np.int32)
             if len(c.slots) != len(c.token_ids):
                 raise ValueError(f"{len(c.token_ids)} tokens but {len(c.slots)} slots")
+        # Blocks released outside every layer's window are masked: any block may stand in.
+        np.maximum(tables, 0, out=tables)
         tokens = np.asarray([list(c.token_ids) for c in chunks], dtype=np.int32)
         starts = np.asarray([c.start for c in chunks], dtype=np.int32)
         positions = starts[:, None] + np.arange(tokens.shape[1], dtype=np.int32)[None, :]

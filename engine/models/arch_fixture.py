@@ -92,6 +92,14 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": WINDOW,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    # Every layer windowed: the blocks a sequence's window has passed go back to the pool.
+    "exaone_moe": {
+        **_MOE,
+        "num_shared_experts": 1,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention"],
+        "is_moe_layer": [False, True],
+    },
 }
 
 
@@ -114,13 +122,13 @@ def build_model(config: dict[str, Any], *, seed: int = 0) -> Any:
         return mx.array((rng.standard_normal(value.shape) * 0.15).astype(np.float32))
 
     model.update(tree_map_with_path(draw, model.parameters()))
-    _spread_logits(model, rng)
+    _spread_logits(model, rng, int(config["vocab_size"]))
     return model
 
 
-def _spread_logits(model: Any, rng: np.random.Generator) -> None:
+def _spread_logits(model: Any, rng: np.random.Generator, vocab: int) -> None:
     """Scale the output head (or the tied embedding) until the logits' spread is ~4."""
-    probe = mx.array(rng.integers(4, VOCAB, size=(1, 32)), dtype=mx.int32)
+    probe = mx.array(rng.integers(4, vocab, size=(1, 32)), dtype=mx.int32)
     named = dict(tree_flatten(model.parameters()))
     head = next((k for k in named if k.endswith("lm_head.weight")), None)
     head = head or next((k for k in named if k.endswith("embed_tokens.weight")), None)
@@ -134,16 +142,16 @@ def _spread_logits(model: Any, rng: np.random.Generator) -> None:
         model.load_weights([(head, named[head] * (4.0 / std))], strict=False)
 
 
-def make_arch_model(out_dir: str | Path, arch: str, *, seed: int = 0) -> Path:
-    """Write the ``arch`` fixture's model directory; returns its path."""
+def make_arch_model(
+    out_dir: str | Path, arch: str, *, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write the ``arch`` fixture's model directory (its config updated with
+    ``overrides``, e.g. a rope scaling); returns its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = build_tokenizer(VOCAB, seed, out)
-    config = arch_config(arch) | {
-        "bos_token_id": ids[BOS],
-        "eos_token_id": ids[EOS],
-        "pad_token_id": ids[EOS],
-    }
+    config = arch_config(arch) | (overrides or {})
+    ids = build_tokenizer(config["vocab_size"], seed, out)
+    config |= {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[EOS]}
     model = build_model(config, seed=seed)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 GROUP_SIZE = 32  # Q4_0, Q4_1 and Q8_0 blocks hold 32 weights
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Rope tensors that become config, not weights.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _TOP = re.compile(r"(\w+)\.(weight|bias)$")
 
 
@@ -100,15 +102,21 @@ def _check(reader: Any, metadata: dict[str, Any], source: str) -> tuple[Arch | N
         unknown = [
             t.name
             for t in reader.tensors
-            if t.name != "rope_freqs.weight" and _hf_name(t.name, arch) is None
+            if t.name not in _ROPE_TENSORS and _hf_name(t.name, arch) is None
         ]
         if unknown:
             problems.add(
                 f"{len(unknown)} tensors have no {arch.model_type} counterpart (e.g. "
                 f"{', '.join(unknown[:3])}): not a plain {name} model"
             )
-        if any(t.name.startswith("rope_factors") for t in reader.tensors):
-            problems.add("long-context rope factors (rope_factors_*) are not supported")
+        factors = [t.name for t in reader.tensors if t.name.startswith("rope_factors")]
+        if factors and arch.model_type != "phi3":
+            problems.add(
+                f"long-context rope factors ({', '.join(factors)}) are supported for phi3 "
+                f"only, not {name}; convert from the Hugging Face checkpoint (mlx_lm.convert)"
+            )
+        elif factors and "rope_factors_long.weight" not in factors:
+            problems.add(f"{', '.join(factors)} without rope_factors_long.weight")
     return arch, problems
 
 
@@ -207,6 +215,9 @@ def convert_gguf(
                 theta=float(config["rope_theta"]),
                 problems=problems,
             )
+        factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors")}
+        if "rope_factors_long.weight" in factors:
+            config["rope_scaling"] = longrope_scaling(factors)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=_parent(out)) as tmp:
         work = Path(tmp) / "model"
         work.mkdir()
@@ -231,6 +242,15 @@ def convert_gguf(
         work.rename(out)
     log.info("converted %s to %s (%s)", source, out, "quantized" if quantization else "float32")
     return out
+
+
+def longrope_scaling(factors: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 128k / Phi-4-mini's ``rope_scaling`` from llama.cpp's per-frequency factor
+    tensors (the short factors default to the long ones when the file has only those)."""
+    long = [float(x) for x in _array(factors["rope_factors_long.weight"]).reshape(-1)]
+    short_tensor = factors.get("rope_factors_short.weight")
+    short = long if short_tensor is None else [float(x) for x in _array(short_tensor).reshape(-1)]
+    return {"type": "longrope", "long_factor": long, "short_factor": short}
 
 
 def _parent(out: Path) -> Path:

@@ -65,6 +65,22 @@ def _stored(array: np.ndarray, qtype: Any, rng: np.random.Generator) -> tuple[np
     return rng.integers(0, 0x3C, size=(rows, cols // block * size), dtype=np.uint8), qtype
 
 
+def _add_arch_metadata(w: Any, arch: str, config: dict[str, Any]) -> None:
+    """The metadata of one architecture's own features (windows, soft-capping, rope)."""
+    if "sliding_window" in config:
+        w.add_sliding_window(config["sliding_window"])
+    if "sliding_window_pattern" in config:
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", config["sliding_window_pattern"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "phi3":
+        w.add_rope_dimension_count(config["head_dim"])
+        if "original_max_position_embeddings" in config:
+            original = config["original_max_position_embeddings"]
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+
+
 def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     """A small SentencePiece vocabulary: specials, 256 byte tokens, letters and merges."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -113,15 +129,7 @@ def write_gguf(
     w.add_value_length(config["head_dim"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_rope_freq_base(config["rope_theta"])
-    if "sliding_window" in config:
-        w.add_sliding_window(config["sliding_window"])
-    if "sliding_window_pattern" in config:
-        w.add_uint32(f"{arch}.attention.sliding_window_pattern", config["sliding_window_pattern"])
-    if model_type == "gemma2":
-        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
-        w.add_final_logit_softcapping(config["final_logit_softcapping"])
-    if model_type == "phi3":
-        w.add_rope_dimension_count(config["head_dim"])
+    _add_arch_metadata(w, arch, config)
     vocab = config["vocab_size"]
     if tokenizer_dir is not None:
         spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())

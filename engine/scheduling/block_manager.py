@@ -10,6 +10,12 @@ whole prefix up to block i matches (the block also keeps its tokens, checked on
 every hit). A partially filled block is never shared. A freed block that holds a
 hash stays cached (its K/V intact) and is evicted least-recently-freed first,
 only when a fresh block is needed and no never-cached block is free.
+
+Sliding window: when every layer of the model attends only to the last `window`
+positions, a block wholly before the window of a sequence's next token is never
+read again; `release_passed` gives it back (cached ones stay in the prefix cache,
+like any freed block) and marks its table entry RELEASED. A model with any
+full-attention layer keeps every block (no window is given).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 from batchd.engine.scheduling.sequence import Sequence
 
 _ROOT_HASH = 0
+# A block-table entry whose block went back to the pool (outside the sliding window).
+RELEASED = -1
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
@@ -49,12 +57,23 @@ class BlockManager:
     last two: a cached free block is reclaimed when a fresh block is needed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        if window is not None and window < 1:
+            raise ValueError(f"window={window} must be >= 1 (or None: full attention)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.num_window_releases = 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
@@ -128,6 +147,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
+            assert seq.block_table[i] != RELEASED, f"{seq.seq_id}: block {i} released"
             block = self.blocks[seq.block_table[i]]
             digest = self._block_hash(seq, i)
             assert block.hash is None, f"block {block.block_id} of {seq.seq_id} cached twice"
@@ -179,8 +199,24 @@ class BlockManager:
         (more shareable) head.
         """
         for block_id in reversed(seq.block_table):
-            self._unref(block_id)
+            if block_id != RELEASED:
+                self._unref(block_id)
         seq.block_table = []
+
+    def release_passed(self, seq: Sequence) -> None:
+        """Give back `seq`'s blocks wholly before the window of its next token (position
+        num_computed_tokens sees positions > num_computed_tokens - window); nothing
+        without a window. Released entries form a prefix of the table, released once."""
+        if self.window is None:
+            return
+        passed = (seq.num_computed_tokens - self.window + 1) // self.block_size
+        table = seq.block_table
+        for i in range(min(passed, len(table)) - 1, -1, -1):
+            if table[i] == RELEASED:
+                break
+            self._unref(table[i])
+            table[i] = RELEASED
+            self.num_window_releases += 1
 
     def _take_fresh(self) -> int:
         if self._free:

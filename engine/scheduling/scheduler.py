@@ -65,14 +65,19 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         computed_rows: Callable[[int], int] | None = None,
+        kv_window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         # Rows the model runner computes for a step of n tokens (n when not told).
         self.computed_rows = computed_rows or (lambda n: n)
+        # kv_window: every layer's attention window (ModelSpec.kv_window), or None.
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            window=kv_window,
         )
         self._clock = clock
         self._seqs: dict[str, Sequence] = {}
@@ -201,6 +206,7 @@ class Scheduler:
                 )
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.register_full_blocks(seq, start=chunk.start)
+            self.block_manager.release_passed(seq)
             if chunk.samples:
                 seq.append_token(sampled[seq.seq_id])
 

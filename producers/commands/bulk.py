@@ -18,6 +18,7 @@ from batchd.producers.bulk import enqueue_bulk
 from batchd.producers.bulk_liveness import Liveness
 from batchd.producers.bulk_worker import SafeJob, bulk_worker
 from batchd.producers.commands.subcommand import add_command
+from batchd.producers.connection import redis_client
 from batchd.producers.errors import ValidationError
 
 ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED}
@@ -65,7 +66,7 @@ def _files_dir_option(p: argparse.ArgumentParser) -> None:
 
 
 def _connection(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    return redis_client(settings.connection_url(), socket_connect_timeout=5)
 
 
 def bulk(args: argparse.Namespace, settings: Settings) -> int:

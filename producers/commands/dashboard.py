@@ -96,6 +96,6 @@ def dashboard(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         print(f"batchd: dashboard: {exc}", file=sys.stderr)
         return 2
-    app = create_app(settings.redis_url, options)
+    app = create_app(settings.connection_url(), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower())
     return 0

@@ -131,7 +131,7 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
         rq_queue=settings.bulk.rq_queue,
     )
     raise_open_files(section)
-    app = create_app(settings.redis_url, options)
+    app = create_app(settings.connection_url(), options)
     uvicorn.run(app, **uvicorn_options(section, log_level=settings.log_level))
     return 0
 

@@ -71,7 +71,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID (repeatable)"
     )
-    p.add_argument("--min-tokens", type=int, metavar="N", help="no end token before N outputs")
+    p.add_argument(
+        "--min-tokens", type=int, metavar="N", help="no end token or stop string before N outputs"
+    )
     p.add_argument("-n", "--n", type=int, metavar="N", help="generate N sequences of the prompt")
     p.add_argument(
         "--prompt-logprobs",
@@ -122,7 +124,7 @@ def _guarded(handler: Handler) -> Handler:
         except JobTimeout as exc:
             return _fail(str(exc), 4)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            return _fail(f"cannot reach Redis at {redact(settings.redis_url)}: {exc}", 3)
+            return _fail(f"cannot reach Redis at {redact(settings.connection_url())}: {exc}", 3)
         except BatchdError as exc:
             return _fail(str(exc), 1)
 
@@ -136,7 +138,7 @@ def _fail(message: str, code: int) -> int:
 
 def _client(settings: Settings, queue: str | None = None) -> Client:
     return Client(
-        settings.redis_url,
+        settings.connection_url(),
         prefix=settings.key_prefix,
         queue=queue or "default",
         limits=settings.limits,

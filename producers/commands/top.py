@@ -12,6 +12,7 @@ import redis
 from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.commands.subcommand import add_command
+from batchd.producers.connection import redis_client
 from batchd.producers.keys import Keys
 from batchd.producers.top import CLEAR, render, snapshot_json, take_snapshot
 
@@ -32,7 +33,7 @@ def top(args: argparse.Namespace, settings: Settings) -> int:
     usage, tokens/s) and every queue (length, unread, pending, consumers), refreshed every
     --interval seconds until Ctrl-C.
     """
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    client = redis_client(settings.connection_url(), socket_connect_timeout=5, socket_timeout=5)
     keys = Keys(settings.key_prefix)
     clear = not args.json and not args.once and sys.stdout.isatty()
     try:

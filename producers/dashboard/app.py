@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchd.producers.aio import AsyncClient
+from batchd.producers.connection import redis_client
 from batchd.producers.dashboard.actions import Actions, refused
 from batchd.producers.dashboard.auth import OperatorAuth, Refused
 from batchd.producers.dashboard.context import Dashboard
@@ -53,6 +54,8 @@ HEADERS = [
 ]
 # Pages that refresh in place (dead letters, batches): how often.
 PAGE_REFRESH_S = 2.0
+# How long shutdown waits for the background tasks, then for the Redis client to close.
+SHUTDOWN_S = 5.0
 
 
 def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
@@ -61,7 +64,7 @@ def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
     client = AsyncClient(
         redis_url, prefix=options.prefix, queue=options.queue, limits=options.limits
     )
-    sync = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
+    sync = redis_client(redis_url, socket_connect_timeout=5, socket_timeout=10)
     audit = Audit(client.redis, keys)
     collector = LatencyCollector(keys)
     prober = Prober(
@@ -128,9 +131,12 @@ def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
         yield
         for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await client.aclose()
+        # Bounded: a listener stuck closing its connection must not hold the shutdown.
+        _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_S)
+        if stuck:
+            log.warning("%d background task(s) did not stop in %.0f s", len(stuck), SHUTDOWN_S)
+        with contextlib.suppress(asyncio.TimeoutError, redis.RedisError, OSError):
+            await asyncio.wait_for(client.aclose(), SHUTDOWN_S)
         sync.close()
 
     async def on_refused(request: Request, exc: Exception) -> Response:

@@ -19,7 +19,7 @@ class DashboardOptions:
     ``operator_keys`` empty: the dashboard is read-only for everyone. ``private``: every
     page needs an operator session too (prompts and outputs are user data). The
     overview is probed every ``refresh_s`` and keeps ``history_points`` samples for its
-    charts; the keyspace is walked for new queues and daemons every ``discovery_s``.
+    charts; the keyspace is walked for new queues, daemons and gateways every ``discovery_s``.
     """
 
     prefix: str = DEFAULT_PREFIX

@@ -39,6 +39,7 @@ from batchd.producers.gateway.online import Online
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.responses.endpoint import Responses
 from batchd.producers.gateway.serving import connections
+from batchd.producers.gateway.serving.beat import gateway_beat
 from batchd.producers.gateway.serving.health import Health
 from batchd.producers.gateway.serving.hub import Hub, running
 from batchd.producers.gateway.serving.metrics import Meter, MetricsMiddleware
@@ -76,6 +77,7 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
     files = Files(commands, keys, guard, folder, max_file_bytes=options.max_file_bytes)
     batches = Batches(commands, sync, keys, guard, files, options, fleet=fleet, workers=workers)
     sweeper = Sweeper(sync, keys, folder)
+    beat = gateway_beat(sync, keys, queue=options.queue)  # the dashboard lists it
     started = time.time()
 
     async def models(request: Request) -> Response:
@@ -118,8 +120,12 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sweeping = asyncio.ensure_future(sweep_forever())
-        async with running(hub):
-            yield
+        await run_in_threadpool(beat.__enter__)
+        try:
+            async with running(hub):
+                yield
+        finally:
+            await run_in_threadpool(beat.stop)
         sweeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeping

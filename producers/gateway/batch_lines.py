@@ -103,6 +103,14 @@ def openai_job(
         raise LineError(param, message, code=exc.code or "invalid_value") from None
     if mapped.stream:
         raise LineError("stream", "a batch request cannot stream", code="unsupported_parameter")
+    # A batch's output lines carry the texts, not the prompt or alternatives.
+    alternatives = mapped.top_logprobs > (1 if kind == TEXT else 0)
+    if mapped.echo is not None or alternatives:
+        param = (
+            "echo" if mapped.echo is not None else "logprobs" if kind == TEXT else "top_logprobs"
+        )
+        why = "is not supported in a batch (its output lines carry no logprobs)"
+        raise LineError(param, why, code="unsupported_parameter")
     echo: dict[str, Any] = {"custom_id": custom_id, "url": url, "model": mapped.model}
     if mapped.tools is not None:
         echo["tools"] = mapped.tools.to_dict()

@@ -120,16 +120,17 @@ class Fleet:
     async def context_of(self, model: str) -> int | None:
         """The context length (``max_model_len``) of ``model`` (a public name), the least
         its daemons' heartbeats report; None when none reports one."""
-        found = []
-        for beat in await self.daemons():
-            length = (beat.model_extra or {}).get("max_model_len")
-            if beat.model and public_name(beat.model) == model and isinstance(length, int):
-                found.append(length)
+        found = [
+            beat.max_model_len
+            for beat in await self.daemons()
+            if beat.model and public_name(beat.model) == model and beat.max_model_len
+        ]
         return min(found) if found else None
 
     async def serving(self) -> list[DaemonHeartbeat]:
-        """The live daemons that take new jobs: a model loaded, not stopping."""
-        return [b for b in await self.daemons() if b.model and not b.stopping]
+        """The live daemons that take new jobs: a model loaded, not stopping (nor
+        draining), intake not paused by an operator."""
+        return [b for b in await self.daemons() if b.model and not (b.stopping or b.paused)]
 
     async def backlog(self) -> int:
         """Jobs on the queue that no daemon has read yet (as of ``backlog_cache_s`` ago)."""

@@ -33,7 +33,7 @@ from batchd.producers.gateway.params import (
     completion_request,
     fill_max_tokens,
 )
-from batchd.producers.gateway.refusals import failed, param_of
+from batchd.producers.gateway.refusals import context_exceeded, failed, param_of
 from batchd.producers.gateway.serving.hub import Hub, Subscription
 from batchd.producers.gateway.serving.metrics import Meter, arrived
 from batchd.producers.gateway.shapes import CHAT, TEXT, Shaper
@@ -92,13 +92,17 @@ class Online:
                 param="model",
                 code="model_not_found",
             )
+        context = await self.fleet.context_of(model)
         fill_max_tokens(
             mapped.job,
             default=self.options.default_max_tokens,
             limits=self.options.limits,
-            context=await self.fleet.context_of(model),
+            context=context,
         )
         job = to_job(mapped, self.options)
+        refused = context_exceeded(mapped.job, context)
+        if refused is not None:
+            raise refused
         backlog = await self.fleet.backlog()
         if backlog >= self.options.max_backlog:
             raise too_busy(
@@ -124,8 +128,15 @@ class Online:
         self.guard.owner(request)  # 401 before a byte of the body is read
         body = parse_body(await self.guard.body(request))
         job = await self.submit(request, lambda: mapper(body))
+        mapped = job.mapped
         shaper = Shaper(
-            kind, job.handle.id, job.model, logprobs=job.mapped.logprobs, tools=job.mapped.tools
+            kind,
+            job.handle.id,
+            job.model,
+            logprobs=mapped.logprobs,
+            tools=mapped.tools,
+            top_logprobs=mapped.top_logprobs,
+            echo=mapped.echo,
         )
         route = request.url.path
         if job.mapped.stream:

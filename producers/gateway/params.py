@@ -8,10 +8,17 @@ silently different answer. Values outside OpenAI's documented ranges are refused
 OpenAI refuses them (:data:`RANGES`). Defaults follow OpenAI's (temperature 1; 16
 tokens for legacy completions), not JobRequest's; a chat completion without max_tokens
 gets the gateway's ``default_max_tokens`` (:func:`fill_max_tokens`).
+
+Logprobs are OpenAI's: chat ``logprobs: true`` with ``top_logprobs`` 0 to 20, completions
+``logprobs`` 0 to 5 and ``echo``. The gateway has no tokenizer, so a job that answers
+with logprobs asks the daemon for ``token_texts`` (each token's own text); ``echo``
+with logprobs asks for the prompt's logprobs too. Penalties keep OpenAI's meaning
+(the whole output, prompt excluded): the job's default ``penalty_window``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +29,7 @@ from batchd.producers.gateway.tools.calls import (
     ToolUse,
     call_schema,
     functions_of,
-    prompt_messages,
+    job_tools,
     tool_use,
 )
 from batchd.producers.gateway.tools.messages import chat_messages
@@ -39,17 +46,17 @@ RANGES: dict[str, tuple[float, float]] = {
     "n": (1, 128),
     "max_tokens": (1, 2**31 - 1),
     "max_completion_tokens": (1, 2**31 - 1),
+    "top_logprobs": (0, 20),
 }
-INTEGERS = {"n", "seed", "max_tokens", "max_completion_tokens"}
+INTEGERS = {"n", "seed", "max_tokens", "max_completion_tokens", "top_logprobs"}
+COMPLETIONS_MAX_LOGPROBS = 5
 
 # Keys whose neutral value is accepted; anything else is refused (engine lacks it).
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "top_logprobs": lambda v: v in (None, 0),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
     "user": lambda v: True,  # an end-user id for abuse tracking: no effect on output
@@ -60,18 +67,29 @@ WHY_REFUSED = {
     "functions": "(deprecated) is not supported: use tools",
     "function_call": "(deprecated) is not supported: use tool_choice",
     "metadata": "must be an object",
-    "top_logprobs": "is not supported: the gateway has no tokenizer to name alternative "
-    "tokens (logprobs: true gives each generated token's logprob)",
 }
 # OpenAI's sampling controls that map one to one onto job fields.
 SAME_NAME = ("top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "n")
-# Sampling extras batchd has beyond OpenAI's set (vLLM takes the same names).
-EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "priority")
+# Sampling extras batchd has beyond OpenAI's set (vLLM takes the same names, but for
+# batchd's penalty_window and sampling_order: docs/jobs.md, Sampling).
+EXTRAS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "priority",
+    "penalty_window",
+    "sampling_order",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 
 
 @dataclass(frozen=True)
 class Mapped:
-    """A request turned into job fields, plus what the HTTP answer needs to know."""
+    """A request turned into job fields, plus what the HTTP answer needs to know:
+    ``top_logprobs`` alternatives per token (chat's top_logprobs, completions' logprobs)
+    and, for a completion with ``echo``, the prompt to answer with."""
 
     model: str
     job: dict[str, Any]
@@ -79,6 +97,8 @@ class Mapped:
     include_usage: bool
     logprobs: bool
     tools: ToolUse | None = None
+    top_logprobs: int = 0
+    echo: str | None = None
 
 
 def chat_request(body: dict[str, Any]) -> Mapped:
@@ -93,8 +113,11 @@ def chat_request(body: dict[str, Any]) -> Mapped:
     logprobs = body.pop("logprobs", None)
     if logprobs not in (None, True, False):
         raise invalid("logprobs", "must be a boolean")
+    top = body.pop("top_logprobs", None)
+    if top and not logprobs:
+        raise invalid("top_logprobs", "requires logprobs: true")
     functions, use = chat_tools(body)
-    mapped = _common(body, job, max_tokens=max_tokens, logprobs=bool(logprobs))
+    mapped = _common(body, job, max_tokens=max_tokens, logprobs=bool(logprobs), top=top or 0)
     if use is None or use.mode == "none":
         return mapped
     return with_tools(mapped, functions, use)
@@ -121,15 +144,13 @@ def with_tools(mapped: Mapped, functions: list[dict[str, Any]], use: ToolUse) ->
         raise unsupported(
             "response_format", "cannot be combined with tools (one grammar holds an output)"
         )
-    job["messages"] = prompt_messages(job["messages"], functions)
+    job["tools"] = job_tools(functions)
     if use.constrained:
         job["response_format"] = {
             "type": "json_schema",
             "json_schema": call_schema(functions, use),
         }
-    return Mapped(
-        mapped.model, job, mapped.stream, mapped.include_usage, mapped.logprobs, tools=use
-    )
+    return dataclasses.replace(mapped, job=job, tools=use)
 
 
 def check_ranges(body: dict[str, Any]) -> None:
@@ -189,15 +210,32 @@ def completion_request(body: dict[str, Any]) -> Mapped:
     check_ranges(body)
     max_tokens = body.pop("max_tokens", COMPLETIONS_MAX_TOKENS)
     logprobs = body.pop("logprobs", None)
-    if logprobs not in (None, 0) and not (isinstance(logprobs, int) and logprobs > 0):
-        raise invalid("logprobs", "must be a non-negative integer")
-    if isinstance(logprobs, int) and logprobs > 1:
-        raise unsupported("logprobs", WHY_REFUSED["top_logprobs"].replace("logprobs: true", "1"))
-    return _common(body, job, max_tokens=max_tokens, logprobs=bool(logprobs))
+    if logprobs is not None and (
+        isinstance(logprobs, bool)
+        or not isinstance(logprobs, int)
+        or not 0 <= logprobs <= COMPLETIONS_MAX_LOGPROBS
+    ):
+        raise invalid("logprobs", f"must be an integer from 0 to {COMPLETIONS_MAX_LOGPROBS}")
+    echo = body.pop("echo", None)
+    if echo not in (None, True, False):
+        raise invalid("echo", "must be a boolean")
+    wants = logprobs is not None
+    mapped = _common(body, job, max_tokens=max_tokens, logprobs=wants, top=logprobs or 0)
+    if not echo:
+        return mapped
+    if "prompt" not in job:
+        raise unsupported(
+            "echo", "with a token-id prompt is not supported (the gateway has no tokenizer)"
+        )
+    if wants:
+        if mapped.stream:
+            raise unsupported("echo", "with logprobs is not supported with stream")
+        mapped.job["prompt_logprobs"] = True
+    return dataclasses.replace(mapped, echo=job["prompt"])
 
 
 def _common(
-    body: dict[str, Any], job: dict[str, Any], *, max_tokens: Any, logprobs: bool
+    body: dict[str, Any], job: dict[str, Any], *, max_tokens: Any, logprobs: bool, top: int
 ) -> Mapped:
     model = body.pop("model", None)
     if not isinstance(model, str) or not model:
@@ -220,7 +258,12 @@ def _common(
     metadata = body.get("metadata")
     if isinstance(metadata, dict):
         job["metadata"] = metadata
-    return Mapped(model, job, bool(stream), include_usage, logprobs)
+    if logprobs:
+        # Name each token (and its alternatives) in the answer: the daemon decodes them.
+        job["token_texts"] = True
+        if top:
+            job["logprobs"] = top
+    return Mapped(model, job, bool(stream), include_usage, logprobs, top_logprobs=top)
 
 
 def sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -254,7 +297,8 @@ def refuse_the_rest(body: dict[str, Any], neutral: dict[str, Any] = NEUTRAL) -> 
 def _response_format(raw: Any) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` as the job's: ``text`` is no constraint, ``json_object``
     passes as is, ``json_schema`` carries its ``schema`` (name and strict are OpenAI's
-    bookkeeping: batchd always holds the output to the schema)."""
+    bookkeeping: batchd always holds the output to the schema), and batchd's ``lenient``
+    next to ``type`` (json_schema only) accepts keywords the grammar cannot enforce."""
     if raw is None or raw == {"type": "text"}:
         return None
     if not isinstance(raw, dict):
@@ -266,7 +310,11 @@ def _response_format(raw: Any) -> dict[str, Any] | None:
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise invalid("response_format", "json_schema needs an object with a 'schema'")
-        return {"type": "json_schema", "json_schema": spec["schema"]}
+        lenient = raw.get("lenient", False)
+        if not isinstance(lenient, bool):
+            raise invalid("response_format", "lenient must be a boolean")
+        out = {"type": "json_schema", "json_schema": spec["schema"]}
+        return out | {"lenient": True} if lenient else out
     raise unsupported("response_format", "supports the types text, json_object and json_schema")
 
 

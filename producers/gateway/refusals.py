@@ -11,7 +11,8 @@ framework here.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from batchd.producers.gateway.errors import APIError, invalid
 from batchd.producers.gateway.shapes import CHAT
@@ -23,6 +24,8 @@ _PARAM_OF = {"prompt_token_ids": "prompt"}
 # The engine's refusals of a request's own tokens (batchd.engine.llm_engine).
 _OUT_OF_VOCAB = re.compile(r"token ids \[([0-9, ]*)\] outside the vocabulary")
 _NO_ROOM = "leaves no room in max_model_len"
+# OpenAI's code for a prompt plus max_tokens longer than the model's context.
+CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
 def param_of(field: str) -> str:
@@ -65,5 +68,39 @@ def _refusal(error: str, *, kind: str, bias_ids: Collection[int]) -> APIError | 
         param = "logit_bias" if bad & set(bias_ids) else prompt
         return invalid(param, f"token ids {sorted(bad)} are outside the model's vocabulary")
     if _NO_ROOM in error:
-        return invalid(prompt, f"too long for the model: {error.split(': ', 1)[-1]}")
+        return APIError(
+            400,
+            f"too long for the model: {error.split(': ', 1)[-1]}",
+            param=prompt,
+            code=CONTEXT_EXCEEDED,
+        )
     return None
+
+
+def context_exceeded(job: Mapping[str, Any], context: int | None) -> APIError | None:
+    """OpenAI's refusal of a request that cannot fit the model's context length
+    (``context``: live daemons' ``max_model_len``), or None. The gateway has no
+    tokenizer: it counts the prompt where the request gives token ids, else at least
+    one token. A text prompt that leaves no room is refused by the daemon with the same
+    code (:func:`failed`); one that leaves less room than max_tokens ends at the context
+    length (finish_reason ``length``)."""
+    max_tokens = job.get("max_tokens")
+    if not context or not isinstance(max_tokens, int):
+        return None
+    ids = job.get("prompt_token_ids")
+    prompt = len(ids) if isinstance(ids, list) else None
+    if (prompt or 1) + max_tokens <= context:
+        return None
+    param = "messages" if "messages" in job else "prompt"
+    asked = (
+        f"{prompt + max_tokens} tokens ({prompt} in the {param}, {max_tokens} in the completion)"
+        if prompt is not None
+        else f"at least {max_tokens + 1} tokens ({max_tokens} in the completion)"
+    )
+    return APIError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{asked}. Please reduce the length of the {param} or completion.",
+        param=param,
+        code=CONTEXT_EXCEEDED,
+    )

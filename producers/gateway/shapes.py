@@ -10,6 +10,14 @@ choice's text is read for tool calls (:mod:`batchd.producers.gateway.tools.calls
 message gets ``tool_calls`` and ``finish_reason`` ``tool_calls``; streamed, text goes out
 as it comes until a call may have begun, and the calls go out as ``tool_calls`` deltas
 when the job ends.
+
+Logprobs name each token by its own text (the events' ``token_texts``, which the daemon
+decodes): chat's ``content`` entries with ``bytes`` and up to ``top_logprobs``
+alternatives; a text completion's ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
+alternatives and the sampled token, as OpenAI's) and ``text_offset``. A completion with
+``echo`` starts each choice's text with the prompt (streamed: its first chunk) and, with
+logprobs, its logprobs with the prompt's tokens (the first one's logprob null, and no
+alternatives: the prompt's own token only).
 """
 
 from __future__ import annotations
@@ -66,6 +74,23 @@ def finish_with_calls(reason: str, calls: list[Call]) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def token_text(event: Event) -> str:
+    """The text of an event's token decoded alone (its ``text`` when the daemon did not
+    name it: a job without token_texts)."""
+    texts = event.token_texts or {}
+    return texts.get(event.token_id, event.text) if event.token_id is not None else event.text
+
+
+def alternatives(event: Event, count: int) -> list[tuple[str, float]]:
+    """The event's first ``count`` top logprobs as (text, logprob)."""
+    texts = event.token_texts or {}
+    return [(texts.get(t, f"token_id:{t}"), lp) for t, lp in (event.top_logprobs or [])[:count]]
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
 def add_prompt_logprobs(
     kind: str, body: dict[str, Any], pairs: list[tuple[int, float | None]]
 ) -> None:
@@ -83,7 +108,15 @@ class Shaper:
     """Builds one request's OpenAI objects; ``kind`` is :data:`CHAT` or :data:`TEXT`."""
 
     def __init__(
-        self, kind: str, job_id: str, model: str, *, logprobs: bool, tools: ToolUse | None = None
+        self,
+        kind: str,
+        job_id: str,
+        model: str,
+        *,
+        logprobs: bool,
+        tools: ToolUse | None = None,
+        top_logprobs: int = 0,
+        echo: str | None = None,
     ) -> None:
         self.kind = kind
         self.job_id = job_id
@@ -91,6 +124,9 @@ class Shaper:
         self.model = model
         self.logprobs = logprobs
         self.tools = tools
+        self.top_logprobs = top_logprobs
+        self.echo = echo
+        self.offsets: dict[int, int] = {}  # streamed: each choice's text offset so far
         self.created = int(time.time())
         self.started: set[int] = set()  # choices whose first chunk went out
         self.gates: dict[int, ContentGate] = {}  # with tools: each choice's text
@@ -104,30 +140,64 @@ class Shaper:
             "choices": choices,
         }
 
-    def _logprobs(self, tokens: list[Event]) -> dict[str, Any] | None:
+    def _logprobs(
+        self, tokens: list[Event], *, index: int = 0, prompt: Event | None = None
+    ) -> dict[str, Any] | None:
+        """The logprobs of ``tokens`` (one choice's); for an echoed completion, ``prompt``
+        (the event holding the prompt's logprobs) comes first."""
         if not self.logprobs:
             return None
         if self.kind == CHAT:
-            return {
-                "content": [
-                    {"token": e.text, "logprob": e.logprob, "bytes": None, "top_logprobs": []}
-                    for e in tokens
+            content = []
+            for e in tokens:
+                token = token_text(e)
+                best = [
+                    {"token": t, "logprob": lp, "bytes": _utf8(t)}
+                    for t, lp in alternatives(e, self.top_logprobs)
                 ]
-            }
+                entry = {"token": token, "logprob": e.logprob, "bytes": _utf8(token)}
+                content.append(entry | {"top_logprobs": best})
+            return {"content": content}
+        texts: list[str] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if prompt is not None and prompt.prompt_logprobs:
+            named = prompt.token_texts or {}
+            for token_id, lp in prompt.prompt_logprobs:
+                texts.append(named.get(token_id, f"token_id:{token_id}"))
+                logprobs.append(lp)
+                tops.append(None if lp is None else {texts[-1]: lp})
+        for e in tokens:
+            token = token_text(e)
+            texts.append(token)
+            logprobs.append(e.logprob)
+            top = dict(alternatives(e, self.top_logprobs))
+            if e.logprob is not None:
+                top[token] = e.logprob  # OpenAI's: the sampled token always among them
+            tops.append(top)
+        offset = self.offsets.get(index, 0)
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
         return {
-            "tokens": [e.text for e in tokens],
-            "token_logprobs": [e.logprob for e in tokens],
-            "top_logprobs": None,
-            "text_offset": None,
+            "tokens": texts,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
         }
 
     def whole(self, tokens: list[Event], final: Event) -> dict[str, Any]:
         """The non-streaming answer: each choice's full text, and the usage."""
         choices = []
+        prompt = next((e for e in tokens if e.prompt_logprobs), None)
         for index, text, reason in _ends(final):
             mine = [e for e in tokens if (e.index or 0) == index]
             choice: dict[str, Any] = {"index": index, "finish_reason": reason}
             text = text or "".join(e.text for e in mine)
+            if self.echo is not None:
+                text = self.echo + text
             if self.kind == CHAT and self.tools is not None:
                 content, calls = parse_calls(text, self.tools)
                 choice["finish_reason"] = finish_with_calls(reason, calls)
@@ -138,12 +208,13 @@ class Shaper:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice["logprobs"] = self._logprobs(mine)
+            self.offsets.pop(index, None)
+            echoed = prompt if self.echo is not None else None
+            choice["logprobs"] = self._logprobs(mine, index=index, prompt=echoed)
             choices.append(choice)
         out = self._envelope(self.kind, choices)
-        prompt = next((e.prompt_logprobs for e in tokens if e.prompt_logprobs), None)
-        if prompt is not None:
-            add_prompt_logprobs(self.kind, out, prompt)
+        if prompt is not None and prompt.prompt_logprobs and self.echo is None:
+            add_prompt_logprobs(self.kind, out, prompt.prompt_logprobs)
         out["usage"] = usage_dict(final.usage)
         return out
 
@@ -195,8 +266,9 @@ class Shaper:
         if event.final:
             choices = [self._choice(i, "", reason) for i, _, reason in _ends(event)]
         else:
-            choices = [self._choice(event.index or 0, event.text, None)]
-            choices[0]["logprobs"] = self._logprobs([event])
+            index = event.index or 0
+            choices = [self._choice(index, event.text, None)]
+            choices[0]["logprobs"] = self._logprobs([event], index=index)
         obj = "chat.completion.chunk" if self.kind == CHAT else TEXT
         return self._envelope(obj, choices)
 
@@ -208,6 +280,9 @@ class Shaper:
                 delta = {"role": "assistant", "content": text}
             choice["delta"] = delta
         else:
+            if self.echo is not None and index not in self.started:
+                text = self.echo + text
+                self.offsets[index] = len(self.echo)
             choice["text"] = text
         choice["logprobs"] = None
         self.started.add(index)

@@ -121,6 +121,22 @@ def test_the_verdict_judges_what_a_subscriber_read_as_one_run() -> None:
     assert not verdict.passed
 
 
+def test_the_verdict_counts_a_stored_end_other_than_the_one_read() -> None:
+    """The subscriber read the job complete; Redis lost that end and now holds the same
+    tokens ended as failed (a lost end that was ended instead of run again)."""
+    client = fakeredis.FakeRedis()
+    jobs = [_job("relapsed")]
+    ledger = Ledger()
+    for event in _events([5, 6, 7], FinishReason.length):
+        ledger.deliver("relapsed", event)
+    for seq, event in enumerate(_events([5, 6, 7], FinishReason.error)):
+        client.xadd(KEYS.events("relapsed"), {EVENT_FIELD: event.encode()}, id=event_id(seq))
+    verdict = judge(jobs, {"relapsed": [5, 6, 7]}, ledger, client, unexpected_exits=0)
+    assert verdict.completed == 1 and verdict.completed_twice == 0
+    assert verdict.zeros()["stored ends differing from the end a subscriber read"] == 1
+    assert not verdict.passed
+
+
 def test_a_hostile_entry_lost_with_redis_may_still_be_dead_lettered_once() -> None:
     """A daemon that read an entry before Redis lost it dead-letters it from memory: that
     letter is expected (once), next to the letter of the entry sent again."""

@@ -11,12 +11,15 @@ anything else fails.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from batchd.engine import LLMEngine, SamplingParams
+from batchd.engine import LLMEngine, RequestOutput, SamplingParams
+from batchd.producers.client import Client
 
 NEAR_TIE = 1e-4
 
@@ -114,6 +117,34 @@ def run_engine(eng: LLMEngine, reqs: list[Req], *, waves: int = 1, gap: int = 4)
     return [outputs[i] for i in range(len(reqs))]
 
 
+@dataclass
+class StepWatch:
+    """Counts, over every step of an engine, the prefill chunks that continue a prompt
+    (chunked prefill), and runs ``after_step`` (e.g. invariant checks) after each."""
+
+    chunked: int = 0
+
+
+def watch_steps(eng: LLMEngine, after_step: Callable[[], None] | None = None) -> StepWatch:
+    """Wrap ``eng.step`` so the returned StepWatch counts its continued prefill chunks."""
+    watch = StepWatch()
+    original_step = eng.step
+
+    def watched_step() -> list[RequestOutput]:
+        result = original_step()
+        watch.chunked += sum(
+            1
+            for c in eng.last_step_stats.chunks
+            if c.kind == "prefill" and c.start > 0 and c.num_tokens > 1
+        )
+        if after_step is not None:
+            after_step()
+        return result
+
+    eng.step = watched_step  # type: ignore[method-assign]
+    return watch
+
+
 def check_parity(ref: Reference, reqs: list[Req], outputs: list[list[int]]) -> ParityReport:
     """Assert every request equals the reference up to a proven near-tie."""
     report = ParityReport(requests=len(reqs))
@@ -142,3 +173,23 @@ def prompt_logprobs_reference(model: object, prompt: list[int]) -> list[float]:
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     picked = mx.take_along_axis(logprobs[:-1], mx.array(prompt[1:])[:, None], axis=-1)
     return [float(x) for x in picked[:, 0].tolist()]  # type: ignore[union-attr]
+
+
+def served_greedy(daemon: Any, redis_url: str, reqs: list[Req]) -> list[Any]:
+    """Each request's greedy result from a ``batchd serve`` daemon (a DaemonProcess)
+    through Redis, submitted all at once (so they batch); the daemon is killed after."""
+    try:
+        daemon.wait_serving(timeout=300)
+        with Client(redis_url) as client:
+            jobs = [
+                client.submit(
+                    prompt_token_ids=list(r.prompt),
+                    max_tokens=r.max_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
+                for r in reqs
+            ]
+            return [job.result(timeout=300) for job in jobs]
+    finally:
+        daemon.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from batchd.engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from batchd.engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
 from batchd.engine.exceptions import InvalidRequest
 from batchd.engine.models.loader import LoadedModel, load
 
@@ -83,7 +84,9 @@ def test_streamed_text_equals_decode_of_tokens(loaded: LoadedModel) -> None:
         )
     for outs in _drain(eng).values():
         tokens = [o.token_id for o in outs]
-        assert "".join(o.text for o in outs) == eng.tokenizer.decode(tokens)
+        # Special tokens are left out of the text by default (vLLM's skip_special_tokens).
+        text = eng.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert "".join(o.text for o in outs) == text
         assert [o.index for o in outs] == list(range(48))
         assert outs[-1].finished and outs[-1].finish_reason == "length"
         assert all(not o.finished for o in outs[:-1])
@@ -102,6 +105,74 @@ def test_stop_string_cuts_text_exactly(loaded: LoadedModel) -> None:
     assert "".join(o.text for o in outs) == full[:cut]
     assert outs[-1].finish_reason == "stop"
     assert eng.tokenizer.decode([o.token_id for o in outs]).startswith(full[:cut] + stop)
+
+
+def test_min_tokens_holds_back_a_stop_string(loaded: LoadedModel) -> None:
+    """vLLM's min_tokens: a stop string met before min_tokens outputs stays in the text and
+    the job goes on; only one completed after them stops it."""
+    tokens = _greedy(loaded, PROMPT, 40)
+    full = _engine(loaded).tokenizer.decode(tokens)
+    early = _engine(loaded).tokenizer.decode(tokens[:4])
+    stop = early[-3:]  # what the 4th output completes: it ends the job after 4 tokens
+    assert stop.strip() and full.index(stop) == len(early) - 3
+    eng = _engine(loaded)
+    eng.add_request(
+        "plain", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=40, stop=(stop,))
+    )
+    eng.add_request(
+        "held",
+        prompt_token_ids=PROMPT,
+        params=SamplingParams(max_tokens=40, stop=(stop,), min_tokens=20, ignore_eos=True),
+    )
+    outs = _drain(eng)
+    assert len(outs["plain"]) <= 4 and outs["plain"][-1].finish_reason == "stop"
+    held = outs["held"]
+    text = "".join(o.text for o in held)
+    assert len(held) > 20
+    assert [o.token_id for o in held] == tokens[: len(held)]
+    assert text.startswith(early)  # the early stop string is text
+    # It stops at the first occurrence that ends past the 20th output's text, if any.
+    held_back = len(_engine(loaded).tokenizer.decode(tokens[:20]))
+    found = [i for i in range(len(full)) if full.startswith(stop, i)]
+    later = [i for i in found if i + len(stop) > held_back]
+    assert len(found) > len(later)  # some were held back
+    if held[-1].finish_reason == "stop":
+        assert text == full[: later[0]]
+    else:
+        assert not later and held[-1].finish_reason == "length" and len(held) == 40
+
+
+def test_special_tokens_are_skipped_unless_asked(loaded: LoadedModel) -> None:
+    """The issue's text ('...<|im_end|>\n<|im_end|><|im_start|>system'): special tokens are
+    not in the text by default, and are with skip_special_tokens=False."""
+    tok = loaded.tokenizer
+    end, start = tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    # Forced outputs: an end token (ignored), a start token, then the model's own text.
+    bias = ((end, 100.0), (start, 50.0))
+    eng = _engine(loaded)
+    runs = {
+        "default": SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=bias),
+        "kept": SamplingParams(
+            max_tokens=6,
+            ignore_eos=True,
+            logit_bias=bias,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
+        ),
+        "spaced": SamplingParams(
+            max_tokens=6, ignore_eos=True, logit_bias=bias, skip_special_tokens=False
+        ),
+    }
+    for rid, params in runs.items():
+        eng.add_request(rid, prompt_token_ids=PROMPT, params=params)
+    outs = _drain(eng)
+    tokens = [o.token_id for o in outs["default"]]
+    assert end in tokens
+    texts = {rid: "".join(o.text for o in outs[rid]) for rid in runs}
+    assert "<|im_end|>" not in texts["default"] and "<|im_start|>" not in texts["default"]
+    assert texts["default"] == tok.decode(tokens, skip_special_tokens=True)
+    assert texts["kept"] == tok.decode(tokens) and "<|im_end|>" in texts["kept"]
+    assert texts["spaced"] == " ".join(["<|im_end|>"] * len(tokens))
 
 
 def test_stop_token_and_eos_end_without_text(loaded: LoadedModel) -> None:
@@ -176,6 +247,43 @@ def test_detokenizer_deltas_join_to_decode(tiny_model: Path, ids: list[int]) -> 
     detok = IncrementalDetokenizer(tokenizer)
     text = "".join(detok.add(t) for t in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
+
+
+def _vllm_join(tokenizer: Any, ids: list[int], special: frozenset[int]) -> str:
+    """vLLM's Python detokenizer with spaces_between_special_tokens: the text between
+    special tokens decoded per segment, every segment joined with a space."""
+    parts: list[str] = []
+    run: list[int] = []
+    for token in ids:
+        if token in special:
+            if run:
+                parts.append(tokenizer.decode(run))
+                run = []
+            parts.append(tokenizer.decode([token]))
+        else:
+            run.append(token)
+    if run:
+        parts.append(tokenizer.decode(run))
+    return " ".join(p for p in parts if p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 1023), max_size=30))
+def test_detokenizer_special_tokens_as_vllm(tiny_model: Path, ids: list[int]) -> None:
+    tokenizer: Any = _tokenizer(tiny_model)
+    special = special_token_ids(tokenizer)
+    assert {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>")} <= special
+
+    def detokenize(**options: bool) -> str:
+        detok = IncrementalDetokenizer(tokenizer, special_ids=special, **options)
+        return "".join(detok.add(t) for t in ids) + detok.flush()
+
+    skipped = detokenize(skip_special_tokens=True)
+    assert skipped == tokenizer.decode(ids, skip_special_tokens=True)
+    kept = detokenize(skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert kept == tokenizer.decode(ids)
+    spaced = detokenize(skip_special_tokens=False, spaces_between_special_tokens=True)
+    assert spaced == _vllm_join(tokenizer, ids, special)
 
 
 _TOKENIZERS: dict[Path, object] = {}

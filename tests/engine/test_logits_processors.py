@@ -1,6 +1,9 @@
-"""The logits processors equal mlx-lm's ``make_logits_processors`` on the same logits, in
-the same order (logit_bias, repetition, presence, frequency over the last 20 tokens), and
-the two controls mlx-lm lacks (grammar mask, min_tokens) do what they say."""
+"""The logits processors: with ``penalty_window`` N they equal mlx-lm's
+``make_logits_processors`` on the same logits, in the same order (logit_bias,
+repetition, presence, frequency over the last N tokens of prompt + output); by default
+the penalties follow OpenAI's formula over the whole output (prompt excluded) and vLLM's
+repetition scope (prompt + output), checked against hand-computed values; the two
+controls mlx-lm lacks (grammar mask, min_tokens) do what they say."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-from batchd.engine.logits_processors import process_row
+from batchd.engine.logits_processors import PenaltyHistory, PenaltyTokens, process_row
 from batchd.engine.sampler import SampleRow, sample
 from batchd.engine.sampling_params import SamplingParams
 
@@ -41,10 +44,12 @@ def _mlx_lm(logits: np.ndarray, tokens: list[int], **controls: object) -> np.nda
         },
     ],
 )
-def test_processors_equal_mlx_lm(controls: dict[str, object]) -> None:
+@pytest.mark.parametrize("window", [20, 7])
+def test_windowed_processors_equal_mlx_lm(controls: dict[str, object], window: int) -> None:
     rng = np.random.default_rng(7)
     logits = (rng.normal(size=VOCAB) * 4).astype(np.float32)
-    # Repeats (for frequency), over 20 tokens (only the last 20 count), biased ids among them.
+    # Repeats (for frequency), over the window (only its last tokens count), biased ids
+    # among them.
     tokens = [int(t) for t in rng.integers(0, 40, size=35)] + [5, 5, 9, 3, 3, 3]
     bias = controls.get("logit_bias", {})
     assert isinstance(bias, dict)
@@ -53,13 +58,83 @@ def test_processors_equal_mlx_lm(controls: dict[str, object]) -> None:
         presence_penalty=float(controls.get("presence_penalty", 0.0)),  # type: ignore[arg-type]
         frequency_penalty=float(controls.get("frequency_penalty", 0.0)),  # type: ignore[arg-type]
         logit_bias=tuple(bias.items()),
+        penalty_window=window,
     )
+    sizes = {f"{k}_context_size": window for k in ("repetition", "presence", "frequency")}
+    theirs = _mlx_lm(logits, tokens, **controls, **sizes)
+    penalised = PenaltyTokens.window(tokens[-window:])
     ours = logits.copy()
-    process_row(ours, params, tokens, (), None)
-    np.testing.assert_allclose(ours, _mlx_lm(logits, tokens, **controls), rtol=1e-6, atol=1e-6)
+    process_row(ours, params, penalised, (), None)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
     # Greedy picks what mlx-lm's pipeline picks.
-    greedy = sample(logits[None], [SampleRow(params, 0, 0, tokens)]).token_ids[0]
-    assert greedy == int(np.argmax(_mlx_lm(logits, tokens, **controls)))
+    greedy = sample(logits[None], [SampleRow(params, 0, 0, penalised)]).token_ids[0]
+    assert greedy == int(np.argmax(theirs))
+
+
+def _openai(
+    logits: np.ndarray, generated: list[int], *, presence: float, frequency: float
+) -> np.ndarray:
+    """OpenAI's documented formula, by hand: mu[j] - c[j] * frequency - (c[j] > 0) *
+    presence, c[j] counting token j in everything generated so far."""
+    out = logits.astype(np.float64).copy()
+    for j in set(generated):
+        c = generated.count(j)
+        out[j] -= c * frequency + presence
+    return out
+
+
+def _engine_row(
+    logits: np.ndarray, params: SamplingParams, prompt: list[int], generated: list[int]
+) -> np.ndarray:
+    """One row processed as the engine does with the default scope: a PenaltyHistory fed
+    the generated tokens one by one."""
+    history = PenaltyHistory(prompt if params.repetition_penalty != 1.0 else None)
+    for token in generated:
+        history.add(token)
+    row = logits.copy()
+    process_row(row, params, history.tokens(), (), None)
+    return row
+
+
+def test_default_penalties_follow_openai_over_the_whole_output() -> None:
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=VOCAB) * 4).astype(np.float32)
+    # The prompt ends with a chat template's end token (299) and holds 7; the output
+    # generated 42 once 25 steps back, 11 three times, then 21 other tokens.
+    prompt = [100, 101, 7, 299, 120, 299]
+    generated = [42, 11, 11, 11] + [int(t) for t in rng.integers(150, 250, size=21)]
+    params = SamplingParams(presence_penalty=0.8, frequency_penalty=0.3)
+    ours = _engine_row(logits, params, prompt, generated)
+    np.testing.assert_allclose(
+        ours,
+        _openai(logits, generated, presence=0.8, frequency=0.3),
+        rtol=1e-6,
+        atol=1e-5,
+    )
+    # A token generated 25 steps back is penalised (mlx-lm's window of 20 misses it) ...
+    assert len(generated) - generated.index(42) == 25
+    assert ours[42] == pytest.approx(logits[42] - 0.8 - 0.3)
+    assert ours[11] == pytest.approx(logits[11] - 0.8 - 3 * 0.3)
+    # ... and the prompt's tokens (its end token included) are not.
+    assert ours[299] == logits[299] and ours[7] == logits[7]
+    windowed = _mlx_lm(logits, prompt + generated, presence_penalty=0.8, frequency_penalty=0.3)
+    assert windowed[42] == logits[42]
+    # Before any output, nothing is penalised at all (the gateway's first token).
+    first = _engine_row(logits, params, prompt, [])
+    np.testing.assert_array_equal(first, logits)
+
+
+def test_default_repetition_penalty_scales_prompt_and_output_once_each() -> None:
+    """vLLM's scope for the repetition penalty: every token of the prompt and of the
+    output, each once, with mlx-lm's sign-aware arithmetic."""
+    logits = np.linspace(-5, 5, VOCAB).astype(np.float32)
+    prompt = [3, 3, 290, 150]
+    generated = [10, 280, 10] + list(range(200, 230))
+    ours = _engine_row(logits, SamplingParams(repetition_penalty=1.5), prompt, generated)
+    expected = logits.astype(np.float64).copy()
+    for j in set(prompt) | set(generated):
+        expected[j] = expected[j] * 1.5 if expected[j] < 0 else expected[j] / 1.5
+    np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_grammar_mask_then_min_tokens_unless_nothing_else_is_left() -> None:
@@ -98,3 +173,7 @@ def test_bad_values_are_refused_naming_the_field() -> None:
         SamplingParams(logit_bias=((3, 101.0),))
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match="penalty_window"):
+        SamplingParams(penalty_window=0)
+    with pytest.raises(ValueError, match="sampling_order"):
+        SamplingParams(sampling_order="vllm")

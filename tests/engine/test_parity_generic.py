@@ -14,7 +14,14 @@ import random
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import pytest
-from parity_harness import Reference, Req, check_parity, random_requests, run_engine
+from parity_harness import (
+    Reference,
+    Req,
+    check_parity,
+    random_requests,
+    run_engine,
+    watch_steps,
+)
 
 from batchd.engine import EngineConfig, LLMEngine
 from batchd.engine.models.arch_fixture import ARCH_CONFIGS, VOCAB, WINDOW, make_arch_model
@@ -55,24 +62,11 @@ def test_generic_parity_mixed_chunked_prefix_preempted(
         max_model_len=256,
     )
     eng = LLMEngine(loaded, config)
-    chunked = 0
-    original_step = eng.step
-
-    def counting_step() -> list:  # type: ignore[type-arg]
-        nonlocal chunked
-        result = original_step()
-        chunked += sum(
-            1
-            for c in eng.last_step_stats.chunks
-            if c.kind == "prefill" and c.start > 0 and c.num_tokens > 1
-        )
-        return result
-
-    eng.step = counting_step  # type: ignore[method-assign]
+    watch = watch_steps(eng)
     outputs = run_engine(eng, reqs, waves=4, gap=3)
     stats = eng.last_step_stats
     report = check_parity(Reference(loaded.model), reqs, outputs)
     assert len(report.divergences) <= 1, report.divergences
-    assert chunked > 0
+    assert watch.chunked > 0
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hit_rate > 0

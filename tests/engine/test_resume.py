@@ -81,11 +81,12 @@ def _run_all(
 
 
 def _expected_text(eng: LLMEngine, run: Run, params: SamplingParams) -> str:
-    """``decode(tokens)`` without an end token, cut before the first stop string."""
+    """``decode(tokens)`` without an end token (and special tokens, skipped by default),
+    cut before the first stop string."""
     tokens = run.tokens
     if run.finish == "stop" and tokens[-1] in (set(params.stop_token_ids) | eng.eos_token_ids):
         tokens = tokens[:-1]
-    text: str = eng.tokenizer.decode(tokens)
+    text: str = eng.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
     cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
     return text[: min(cuts)] if cuts else text
 
@@ -126,7 +127,9 @@ def _check_every_cut(
             assert after.finish == run.finish, where
             delivered = "".join(run.texts[:cut])
             assert delivered + after.text == run.text, where
-            decoded: str = eng.tokenizer.decode(run.tokens[:cut])
+            decoded: str = eng.tokenizer.decode(
+                run.tokens[:cut], skip_special_tokens=params.skip_special_tokens
+            )
             if cut < len(run.tokens) and len(decoded) > len(delivered):
                 if decoded.endswith(INCOMPLETE):
                     seen.partial_char.append(cut)

@@ -25,7 +25,7 @@ from batchd.engine.constraints import Constraint
 from batchd.engine.exceptions import InvalidRequest
 from batchd.engine.models.loader import load
 from batchd.engine.scheduling.sequence import FinishReason
-from support.schemas import NESTED_SCHEMA, nested_constraint
+from support.schemas import LENIENT_ONLY, NESTED_SCHEMA, nested_constraint
 
 MAX_TOKENS = 256  # the nested schema's JSON takes ~90 tokens at most here
 
@@ -193,6 +193,22 @@ def test_invalid_constraints_are_refused_naming_the_problem(
 ) -> None:
     with pytest.raises(ValueError, match=problem):
         Constraint(kind, source)
+
+
+@pytest.mark.parametrize("keyword", sorted(LENIENT_ONLY))
+def test_lenient_is_an_opt_in(eng: LLMEngine, keyword: str) -> None:
+    """llguidance's lenient mode: refused by default, naming the keyword and the option;
+    accepted with lenient, and the output still holds to the rest of the schema."""
+    source = json.dumps(LENIENT_ONLY[keyword])
+    with pytest.raises(InvalidRequest, match=f"{keyword}.*set lenient"):
+        Constraint("json_schema", source)
+    constraint = Constraint("json_schema", source, lenient=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, seed=1, temperature=1.0, constraint=constraint)
+    ((_, text, finish),) = _run(eng, {"l": (_prompt(1), params)}).values()
+    if finish == "stop":
+        json.loads(text)
+    with pytest.raises(InvalidRequest, match="lenient applies to json_schema"):
+        Constraint("regex", "a+", lenient=True)
 
 
 def test_min_tokens_holds_the_end_back(eng: LLMEngine) -> None:

@@ -3,13 +3,23 @@ with the tokens of an uninterrupted run, and nothing is left pending."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from batchd.producers.keys import CONSUMER_GROUP, Keys
 from batchd.producers.schema import JobState
-from support.daemon_harness import expected_fake_tokens, status_of, token_ids, wait_final
+from support.daemon_harness import (
+    DaemonProcess,
+    daemon_config,
+    enqueue,
+    expected_fake_tokens,
+    status_of,
+    token_ids,
+    wait_final,
+    wait_until,
+)
 
 KEYS = Keys()
 
@@ -52,3 +62,20 @@ def wait_nothing_pending(client: redis.Redis, *, timeout: float = 20) -> None:
         return int(pending["pending"]) == 0
 
     wait_until(empty, timeout=timeout, what="no entry pending")
+
+
+def entry_lost_under_a_daemon(
+    client: redis.Redis, tmp_path: Path, *, redis_url: str, model: Path, job_id: str
+) -> DaemonProcess:
+    """A ``batchd serve`` process running a 1000-token job ``job_id`` (20 tokens in), whose
+    queue entry is then acked and deleted: what a Redis crash that lost the entry leaves
+    while the daemon goes on. Returns the daemon (the caller kills or stops it)."""
+    config = daemon_config(tmp_path, redis_url)
+    job = {"id": job_id, "prompt_token_ids": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+    daemon = DaemonProcess(config, model=model, log_path=tmp_path / "first.log")
+    daemon.wait_serving()
+    entry = enqueue(client, KEYS, job)
+    wait_until(lambda: client.xlen(KEYS.events(job_id)) >= 20, timeout=60, what="tokens")
+    client.xack(KEYS.queue(), CONSUMER_GROUP, entry)
+    client.xdel(KEYS.queue(), entry)
+    return daemon

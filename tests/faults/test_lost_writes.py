@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchd.producers.keys import CONSUMER_GROUP
 from batchd.producers.schema import FinishReason
-from faults.checks import KEYS, assert_all_done_once, fake_jobs
+from faults.checks import KEYS, assert_all_done_once, entry_lost_under_a_daemon, fake_jobs
 from support.daemon_harness import (
     DaemonProcess,
     FakeGenerator,
@@ -66,15 +65,10 @@ def test_a_job_whose_entry_redis_lost_survives_the_death_of_its_daemon(
     then died: the job stayed `running` with no pending entry, for no daemon to resume.
     Now the entry is enqueued again from memory when the loss is noticed."""
     client = redis_server.client()
-    config = daemon_config(tmp_path, redis_server.url)
-    job = {"id": "orphan", "prompt_token_ids": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
-    first = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "first.log")
-    first.wait_serving()
-    entry = enqueue(client, KEYS, job)
-    wait_until(lambda: client.xlen(KEYS.events("orphan")) >= 20, timeout=60, what="tokens")
     # What a crash losing the last second leaves: no entry, a shorter events stream.
-    client.xack(KEYS.queue(), CONSUMER_GROUP, entry)
-    client.xdel(KEYS.queue(), entry)
+    first = entry_lost_under_a_daemon(
+        client, tmp_path, redis_url=redis_server.url, model=tiny_model, job_id="orphan"
+    )
     stored: Any = client.xrange(KEYS.events("orphan"))
     with client.pipeline() as rollback:  # the stream as it was 5 events in
         rollback.delete(KEYS.events("orphan"))
@@ -87,6 +81,7 @@ def test_a_job_whose_entry_redis_lost_survives_the_death_of_its_daemon(
         what="the entry enqueued again",
     )
     first.kill()
+    config = daemon_config(tmp_path, redis_server.url)
     second = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "second.log")
     try:
         done = wait_final(client, KEYS, ["orphan"], timeout=120)["orphan"]

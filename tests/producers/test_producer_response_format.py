@@ -16,6 +16,7 @@ from batchd.producers.client import Client
 from batchd.producers.errors import ValidationError
 from batchd.producers.schema import JobRequest, parse_job
 from support.redis_server import RedisServer
+from support.schemas import LENIENT_ONLY
 
 SCHEMA = {
     "type": "object",
@@ -68,6 +69,28 @@ def test_refused_at_submit_naming_the_problem(
     assert fake_redis.keys("*") == []
 
 
+@pytest.mark.parametrize("keyword", sorted(LENIENT_ONLY))
+def test_lenient_schema_keywords_are_refused_unless_opted_in(
+    fake_redis: fakeredis.FakeRedis, keyword: str
+) -> None:
+    """A keyword the grammar cannot enforce is refused clearly (naming it and the option),
+    and accepted with ``lenient``, which reaches the daemon."""
+    schema = LENIENT_ONLY[keyword]
+    client = Client(fake_redis)
+    with pytest.raises(ValidationError) as err:
+        client.submit("hi", response_format={"type": "json_schema", "json_schema": schema})
+    assert err.value.field == "response_format"
+    assert keyword in str(err.value) and "lenient: true accepts it" in str(err.value)
+    assert fake_redis.keys("*") == []
+    lenient = {"type": "json_schema", "json_schema": schema, "lenient": True}
+    client.submit("hi", response_format=lenient)
+    (entry,) = fake_redis.xrange("batchd:queue:default")
+    fmt = parse_job(entry[1][b"job"]).response_format
+    assert fmt is not None and fmt.lenient
+    with pytest.raises(ValidationError, match="lenient applies to type json_schema"):
+        client.submit("hi", response_format={"type": "regex", "regex": "a", "lenient": True})
+
+
 def test_a_valid_request_reaches_the_engine_fields(fake_redis: fakeredis.FakeRedis) -> None:
     job = Client(fake_redis).submit(
         "hi",
@@ -76,6 +99,11 @@ def test_a_valid_request_reaches_the_engine_fields(fake_redis: fakeredis.FakeRed
         presence_penalty=0.5,
         frequency_penalty=-0.25,
         min_tokens=3,
+        penalty_window=20,
+        sampling_order="filters_first",
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        token_texts=True,
     )
     (entry,) = fake_redis.xrange("batchd:queue:default")
     request = parse_job(entry[1][b"job"])
@@ -87,6 +115,16 @@ def test_a_valid_request_reaches_the_engine_fields(fake_redis: fakeredis.FakeRed
         sampling["frequency_penalty"],
         sampling["min_tokens"],
     ) == (0.5, -0.25, 3)
+    assert {k: sampling[k] for k in ("penalty_window", "sampling_order")} == {
+        "penalty_window": 20,
+        "sampling_order": "filters_first",
+    }
+    assert not sampling["skip_special_tokens"] and not sampling["spaces_between_special_tokens"]
+    assert sampling["token_texts"]
+    # The defaults are OpenAI's penalties, vLLM's order and special-token handling.
+    defaults = JobRequest(prompt="hi").sampling()
+    assert defaults["penalty_window"] is None and defaults["sampling_order"] == "temperature_first"
+    assert defaults["skip_special_tokens"] and defaults["spaces_between_special_tokens"]
     assert request.response_format is not None
     assert json.loads(request.response_format.source()) == SCHEMA
 

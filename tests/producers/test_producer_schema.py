@@ -11,6 +11,7 @@ import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError as PydanticValidationError
 
 from batchd.config.limits import LimitSettings
 from batchd.config.settings import load_settings
@@ -33,6 +34,15 @@ from batchd.producers.schema import (
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = {"role": "user", "content": "hi"}
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def deep_tool(depth: int) -> dict[str, Any]:
+    """A tool whose parameters' schema nests ``depth`` levels."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {"type": "function", "function": {"name": "deep", "parameters": schema}}
 
 
 @pytest.mark.parametrize(
@@ -66,6 +76,24 @@ USER = {"role": "user", "content": "hi"}
         ({"prompt": "a", "n": 17}, "n", "less than or equal to 16"),
         ({"prompt": "a", "n": 2.0}, "n", "valid integer"),
         ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs", "valid boolean"),
+        ({"prompt": "a", "tools": [TOOL]}, "tools", "tools apply to messages only"),
+        ({"messages": [USER], "tools": []}, "tools", "at least 1"),
+        ({"messages": [USER], "tools": [{"type": "web"}]}, "tools.0.type", "'function'"),
+        (
+            {"messages": [USER], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+            "pattern",
+        ),
+        (
+            {"messages": [USER], "tools": [TOOL] * 129},
+            "tools",
+            "at most 128",
+        ),
+        (
+            {"messages": [USER], "tools": [deep_tool(100)]},
+            "tools.function.parameters",
+            "deep",
+        ),
     ],
 )
 def test_bad_job_names_field(job: dict[str, Any], field: str, words: str) -> None:
@@ -137,7 +165,8 @@ def test_event_and_ids_round_trip(seq: int, text: str, token: int) -> None:
     assert seq_of(event_id(seq)) == seq and seq_of(event_id(seq).encode()) == seq
 
 
-_LOGPROBS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+_FINITE = st.floats(allow_nan=False, allow_infinity=False)
+_LOGPROBS = st.one_of(st.none(), _FINITE)
 
 
 @given(
@@ -148,10 +177,13 @@ _LOGPROBS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
     logprob=_LOGPROBS,
     top=st.one_of(
         st.none(),
-        st.lists(st.tuples(st.integers(min_value=0, max_value=2**31), st.floats()), max_size=3),
+        st.lists(st.tuples(st.integers(min_value=0, max_value=2**31), _FINITE), max_size=3),
     ),
     prompt=st.one_of(
         st.none(), st.lists(st.tuples(st.integers(min_value=0, max_value=99), _LOGPROBS))
+    ),
+    texts=st.one_of(
+        st.none(), st.dictionaries(st.integers(min_value=0, max_value=2**31), st.text(max_size=4))
     ),
 )
 def test_token_events_encode_as_their_model_dump(
@@ -162,6 +194,7 @@ def test_token_events_encode_as_their_model_dump(
     logprob: float | None,
     top: list[tuple[int, float]] | None,
     prompt: list[tuple[int, float | None]] | None,
+    texts: dict[int, str] | None,
 ) -> None:
     """A daemon encodes token events field by field (one per job and step): the bytes
     are the model's own JSON dump, whatever is set."""
@@ -173,8 +206,23 @@ def test_token_events_encode_as_their_model_dump(
         logprob=logprob,
         top_logprobs=top,
         prompt_logprobs=prompt,
+        token_texts=texts,
     )
     assert event.encode() == orjson.dumps(event.model_dump(mode="json", exclude_none=True))
+    assert Event.decode(event.encode()) == event
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf"), float("nan")])
+def test_events_never_hold_a_number_json_cannot_carry(bad: float) -> None:
+    """orjson writes NaN and infinities as null, which no reader takes back as a logprob:
+    such an event is refused when it is made, never published unreadable."""
+    for fields in (
+        {"logprob": bad},
+        {"top_logprobs": [(3, -0.5), (4, bad)]},
+        {"prompt_logprobs": [(1, None), (2, bad)]},
+    ):
+        with pytest.raises(PydanticValidationError, match="finite"):
+            Event(seq=0, token_id=3, text="x", **fields)
 
 
 def test_sequence_events_round_trip_and_n1_events_do_not_change() -> None:
@@ -218,6 +266,12 @@ def test_key_names() -> None:
         with pytest.raises(ValidationError, match="id"):
             keys.job(bad)  # type: ignore[arg-type]
     assert Keys("q").events("j") == "q:job:j:events"  # the cache holds names per prefix
+
+
+def test_a_chat_job_with_tools_round_trips() -> None:
+    job = validate_job({"messages": [USER], "tools": [TOOL]})
+    assert job.tools is not None and job.tools[0].function.name == "get_time"
+    assert parse_job(encode_job(job)).tools == job.tools
 
 
 def test_committed_schema_is_current() -> None:

@@ -11,6 +11,7 @@ a key attaches only to that key's jobs.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -101,6 +102,36 @@ def test_cancelling_a_batch_never_cancels_another_producers_job(keyed: Edge) -> 
     status = victim.status()
     assert status.state.value == "running" and not status.cancel_requested
     producer.cancel("victim-run")
+
+
+def test_cancelling_a_running_batch_never_cancels_another_producers_job(keyed: Edge) -> None:
+    """The cancel lands while the run is working: a run that had attached to the victim
+    (its line naming the victim's id) would cancel it with its own jobs."""
+    producer = Client(keyed.redis_url)
+    victim = producer.submit("long running victim", id="victim-busy", max_tokens=4000)
+    wait_until(lambda: victim.status().state.value == "running", what="victim running")
+    b = keyed.oai(KEY_B)
+    batch = start_batch(b, _hostile_lines("victim-busy"))
+
+    def cancel_once_running() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = b.batches.retrieve(batch.id).status
+            if state == "in_progress":
+                b.batches.cancel(batch.id)
+                return
+            if state in ("completed", "failed", "cancelled", "expired"):
+                return
+            time.sleep(0.05)
+
+    canceller = threading.Thread(target=cancel_once_running)
+    canceller.start()
+    keyed.work()  # rq runs in this (the main) thread
+    canceller.join(70)
+    assert b.batches.retrieve(batch.id).status in ("cancelled", "completed")
+    status = victim.status()
+    assert status.state.value == "running" and not status.cancel_requested
+    producer.cancel("victim-busy")
 
 
 def test_a_keyed_submit_attaches_only_to_its_own_keys_job(keyed: Edge) -> None:

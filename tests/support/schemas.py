@@ -39,3 +39,24 @@ NESTED_SCHEMA: dict[str, Any] = {
 
 def nested_constraint() -> Constraint:
     return Constraint("json_schema", json.dumps(NESTED_SCHEMA))
+
+
+# JSON-schema keywords llguidance cannot enforce (refused unless lenient), each in a
+# schema it then accepts with the keyword ignored (a oneOf held as an anyOf).
+LENIENT_ONLY: dict[str, dict[str, Any]] = {
+    "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "if": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "if": {"properties": {"a": {"const": 1}}},
+        "then": {"required": ["a"]},
+    },
+    "not": {"type": "integer", "not": {"const": 3}},
+    "contains": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 2}},
+    "dependentRequired": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "dependentRequired": {"a": ["b"]},
+    },
+    "oneOf": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+}

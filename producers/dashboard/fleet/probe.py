@@ -1,12 +1,13 @@
-"""One look at the fleet: queues and live daemons, in two pipelined round trips.
+"""One look at the fleet: queues, live daemons and gateways, in two pipelined round trips.
 
 What ``batchd top`` shows, plus what an overview needs: each queue's entries added and
 read so far (Redis 7's counters, from which the sampler makes rates), its oldest
 waiting entry, and how its first waiting entries split by priority band. Cheap at any
 depth: a refresh touches a queue's XINFO replies and at most ``band_sample`` entries,
-never the whole stream, and no key is searched for. New queues and daemons are found by
-a SCAN of the keyspace every ``discovery_s`` (a daemon also shows up at once as a
-consumer of a known queue). Read-only: nothing here writes a key.
+never the whole stream, and no key is searched for. New queues, daemons and gateways
+(their heartbeat keys, batchd.producers.gateway.serving.beat) are found by a SCAN of the
+keyspace every ``discovery_s`` (a daemon also shows up at once as a consumer of a known
+queue). Read-only: nothing here writes a key.
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ class DaemonRow:
     @property
     def state(self) -> str:
         beat = self.beat
+        if beat.get("draining"):  # a drain is a stop that lets every held job finish
+            return "draining"
         if beat.get("stopping"):
             return "stopping"
         if beat.get("redis_down"):
             return "redis down"
-        if beat.get("draining"):
-            return "draining"
         if beat.get("paused"):
             return "paused"
         return "busy" if beat.get("busy") else "idle"
@@ -95,6 +96,8 @@ class Fleet:
     daemons: list[DaemonRow]
     dead_letters: int
     took_s: float = 0.0
+    # The live gateways' heartbeats (name, host, pid, version, queue, at), by name.
+    gateways: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Prober:
     band_sample: int = 500
     known_queues: set[str] = field(default_factory=set)
     known_daemons: set[str] = field(default_factory=set)
+    known_gateways: set[str] = field(default_factory=set)
     discovered_at: float = float("-inf")
 
     async def probe(self) -> Fleet:
@@ -130,25 +134,30 @@ class Prober:
             daemons=daemons,
             dead_letters=first.dead_letters,
             took_s=time.perf_counter() - started,
+            gateways=[first.gateways[name] for name in sorted(first.gateways)],
         )
 
     async def discover(self) -> None:
         """Walk the keyspace once (SCAN, server-side MATCH) for queues and heartbeats."""
         queue_prefix, daemon_prefix = self.keys.queue_prefix, self.keys.daemon("")
-        pattern = glob_escape(f"{self.keys.prefix}:") + "[dq]*"
-        queues, daemons = set(), set()
+        gateway_prefix = self.keys.gateway("")
+        pattern = glob_escape(f"{self.keys.prefix}:") + "[dqg]*"
+        queues, daemons, gateways = set(), set(), set()
         async for raw in self.redis.scan_iter(match=pattern, count=SCAN_COUNT):
             name = raw.decode(errors="replace")
             if name.startswith(queue_prefix):
                 queues.add(name.removeprefix(queue_prefix))
             elif name.startswith(daemon_prefix):
                 daemons.add(name.removeprefix(daemon_prefix))
+            elif name.startswith(gateway_prefix):
+                gateways.add(name.removeprefix(gateway_prefix))
         self.known_queues = {q for q in queues if is_name(q)}
         self.known_daemons = daemons
+        self.known_gateways = gateways
         self.discovered_at = time.monotonic()
 
     async def _first_round(self, queues: list[str]) -> _FirstRound:
-        daemons = sorted(self.known_daemons)
+        daemons, gateways = sorted(self.known_daemons), sorted(self.known_gateways)
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in queues:
                 stream = self.keys.queue(name)
@@ -157,6 +166,8 @@ class Prober:
                 pipe.xinfo_consumers(stream, CONSUMER_GROUP)
             for consumer in daemons:
                 pipe.get(self.keys.daemon(consumer))
+            for gateway in gateways:
+                pipe.get(self.keys.gateway(gateway))
             pipe.xlen(self.keys.dead)
             replies = await pipe.execute(raise_on_error=False)
         out = _FirstRound()
@@ -172,6 +183,11 @@ class Prober:
             beat = _json_object(value)
             if beat is not None:
                 out.beats[consumer] = beat
+        at += len(daemons)
+        for gateway, value in zip(gateways, replies[at : at + len(gateways)], strict=True):
+            beat = _json_object(value)
+            if beat is not None:  # None: it stopped or expired since the discovery
+                out.gateways[gateway] = beat
         dead = replies[-1]
         out.dead_letters = dead if isinstance(dead, int) else 0
         return out
@@ -212,6 +228,7 @@ class _FirstRound:
     group: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     consumers: dict[str, list[str]] = field(default_factory=dict)
     beats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gateways: dict[str, dict[str, Any]] = field(default_factory=dict)
     dead_letters: int = 0
 
 

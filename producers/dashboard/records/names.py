@@ -35,7 +35,7 @@ def redrives(keys: Keys) -> str:
 def control(keys: Keys, consumer: str) -> str:
     """Consumer names are free text (``host:pid`` by default): callers name only a live
     daemon's, read from its heartbeat key."""
-    return f"{keys.prefix}:control:{consumer}"
+    return keys.control(consumer)
 
 
 def glob_escape(text: str) -> str:

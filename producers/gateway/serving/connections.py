@@ -12,6 +12,9 @@
 - **Events reads** (:class:`~batchd.producers.gateway.hub.Hub`) have their own
   connection, which blocks; the hub retries by itself.
 - **rq** (the Batch API) gets a blocking client, used from worker threads only.
+
+Each comes from :mod:`batchd.producers.connection`, so a ``redis+sentinel://`` URL gives
+pools that follow the master across a failover: the retry above reconnects to it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from batchd.producers.connection import async_redis_pool, redis_client
 from batchd.producers.gateway.options import GatewayOptions
 
 RETRY_CAP_S = 0.25
@@ -44,8 +48,9 @@ def retries(retry_s: float) -> int:
 
 def commands(redis_url: str, options: GatewayOptions) -> aioredis.Redis:
     """The pooled client for every short command."""
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = async_redis_pool(
         redis_url,
+        blocking=True,
         max_connections=options.redis_max_connections,
         timeout=options.redis_pool_timeout_s,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
@@ -56,24 +61,24 @@ def commands(redis_url: str, options: GatewayOptions) -> aioredis.Redis:
         ),
         retry_on_error=RETRIED,
     )
-    return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_pool(pool)
 
 
 def reader(redis_url: str, *, block_ms: int) -> aioredis.Redis:
     """The hub's connection: its reads block for up to ``block_ms``; no retry of its own."""
-    pool = aioredis.ConnectionPool.from_url(
+    pool = async_redis_pool(
         redis_url,
         max_connections=2,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=block_ms / 1000 + COMMAND_TIMEOUT_S,
         retry=AsyncRetry(NoBackoff(), 0),
     )
-    return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_pool(pool)
 
 
 def blocking(redis_url: str, options: GatewayOptions) -> redis.Redis:
     """A blocking client (rq and the file sweeper run in threads), retried the same way."""
-    return redis.Redis.from_url(
+    return redis_client(
         redis_url,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=COMMAND_TIMEOUT_S,

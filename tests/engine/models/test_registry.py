@@ -12,7 +12,27 @@ from batchd.engine.models.registry import PRESET_NAMES, ensure_preset, packaged_
 
 
 def test_presets_are_one_registry() -> None:
-    assert PRESET_NAMES == ("tiny", "bench-small", "bench-1b", "smollm2", "gemma3-270m")
+    assert PRESET_NAMES == (
+        "tiny",
+        "bench-small",
+        "bench-1b",
+        "bench-moe",
+        "smollm2",
+        "gemma3-270m",
+    )
+
+
+def test_the_moe_preset_is_a_shape_mlx_lm_builds() -> None:
+    from mlx_lm.utils import _get_classes
+
+    from batchd.engine.models.arch_fixture import arch_config
+
+    shape = presets.ARCH_PRESETS["bench-moe"]
+    config = arch_config(shape["model_type"]) | shape  # as the registry builds it
+    model_class, args_class = _get_classes(config)
+    args = args_class.from_dict(config)
+    assert (args.num_experts, args.num_experts_per_tok) == (8, 2)
+    assert model_class.__module__ == "mlx_lm.models.qwen3_moe"
 
 
 def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path: Path) -> None:

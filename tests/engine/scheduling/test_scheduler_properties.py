@@ -4,7 +4,9 @@ After every operation: no block leaked or freed twice, ref counts equal the
 number of block tables holding each block, budget, prefill bound and running
 cap respected, and every position a chunk attends to holds the K/V of exactly
 its own prefix (a shadow of what the "runner" wrote to each slot). At the end every request is
-driven to completion with its outputs intact.
+driven to completion with its outputs intact. With a sliding window (a model whose every
+layer has one), a chunk attends only to the window before it, and exactly the blocks wholly
+before that window are released.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from scheduler_harness import FakeClock, expected_outputs, sampled_for
 from batchd.engine.config import EngineConfig
 from batchd.engine.exceptions import RequestRejected
 from batchd.engine.sampling_params import SamplingParams
+from batchd.engine.scheduling.block_manager import RELEASED
 from batchd.engine.scheduling.schedule import SchedulerOutput
 from batchd.engine.scheduling.scheduler import Scheduler
 from batchd.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
@@ -28,7 +31,7 @@ OPS = ("add",) * 6 + ("step",) * 4 + ("step_abort", "end", "dup", "tick")
 
 
 @st.composite
-def configs(draw: st.DrawFn) -> tuple[EngineConfig, int, int]:
+def configs(draw: st.DrawFn) -> tuple[EngineConfig, int, int, int | None]:
     max_num_seqs = draw(st.integers(1, 4))
     block_size = draw(st.sampled_from([1, 2, 4]))
     chunked = draw(st.booleans())
@@ -44,17 +47,24 @@ def configs(draw: st.DrawFn) -> tuple[EngineConfig, int, int]:
     )
     # A pool of 12 to 36 tokens: tight enough to preempt and evict, and to reject some requests.
     num_blocks = draw(st.integers(12 // block_size, 36 // block_size))
-    return config, num_blocks, draw(st.integers(12, 64))
+    return config, num_blocks, draw(st.integers(12, 64)), draw(st.none() | st.integers(1, 8))
 
 
 class Harness:
     """Drives a Scheduler as the engine would, checking it against shadow records."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, max_model_len: int, window: int | None
+    ) -> None:
         self.config = config
         self.clock = FakeClock()
+        self.window = window
         self.sched = Scheduler(
-            config, num_blocks=num_blocks, max_model_len=max_model_len, clock=self.clock
+            config,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            kv_window=window,
+            clock=self.clock,
         )
         self.max_model_len = max_model_len
         self.live: list[str] = []
@@ -139,7 +149,9 @@ class Harness:
             for pos in chunk.positions:  # written blocks are private and not cached
                 block = bm.blocks[table[pos // size]]
                 assert block.ref_count == 1 and block.hash is None
-            for pos in range(chunk.start):  # read K/V belongs to this exact prefix
+            seen = 0 if self.window is None else max(0, chunk.start - self.window + 1)
+            for pos in range(seen, chunk.start):  # read K/V belongs to this exact prefix
+                assert table[pos // size] != RELEASED, f"{seq}: position {pos} released"
                 slot = table[pos // size] * size + pos % size
                 assert self.slot_prefix.get(slot) == tuple(seq.tokens(0, pos + 1))
         for seq in output.preempted:
@@ -154,12 +166,18 @@ class Harness:
         running = [s for s in seqs if s is not None and s.status is SequenceStatus.running]
         assert len(running) == sched.num_running <= self.config.max_num_seqs
         assert sched.num_waiting == len(seqs) - len(running)
-        holders = Counter(b for s in running for b in s.block_table)
+        holders = Counter(b for s in running for b in s.block_table if b != RELEASED)
         assert holders == Counter({b.block_id: b.ref_count for b in bm.blocks if b.ref_count})
         for s in seqs:
             assert s is not None
             if s.status is SequenceStatus.running:
                 assert len(s.block_table) == bm.blocks_for(s.num_computed_tokens)
+                window = self.window
+                passed = (
+                    0 if window is None else (s.num_computed_tokens - window + 1) // bm.block_size
+                )
+                released = [i for i, b in enumerate(s.block_table) if b == RELEASED]
+                assert released == list(range(max(0, passed))), (s, passed)
             else:
                 assert s.block_table == [] and s.num_computed_tokens == 0
 
@@ -204,7 +222,7 @@ def apply(harness: Harness, op: str, data: st.DataObject) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=configs(), data=st.data())
 def test_random_interleavings_keep_the_invariants(
-    setup: tuple[EngineConfig, int, int], data: st.DataObject
+    setup: tuple[EngineConfig, int, int, int | None], data: st.DataObject
 ) -> None:
     harness = Harness(*setup)
     for op in data.draw(st.lists(st.sampled_from(OPS), min_size=20, max_size=60), label="ops"):
@@ -222,6 +240,7 @@ def test_random_interleavings_keep_the_invariants(
     event(f"prefix hits: {stats['prefix_cache_hit_tokens'] > 0}")
     event(f"evictions: {stats['num_evictions'] > 0}")
     event(f"requests: {min(len(harness.done), 5)}")
+    event(f"window releases: {harness.sched.block_manager.num_window_releases > 0}")
     assert harness.sched.block_manager.num_used_blocks == 0
     for seq in harness.done:  # preempted and recomputed or not, outputs are the model's
         assert seq.output_token_ids == expected_outputs(seq)

@@ -19,6 +19,7 @@ import pytest
 import redis
 from dashboard_helpers import CONSUMER, OPERATOR_KEY, PHONE, Dashboard, PageWatch, log_in
 
+import batchd
 from batchd.producers.client import Client
 from batchd.producers.errors import JobFailed
 from batchd.producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
@@ -218,6 +219,45 @@ def test_without_the_operator_key_no_action_is_offered_or_accepted(
         assert not job.status().cancel_requested
     finally:
         client.cancel(job.id)
+
+
+def test_an_operator_pauses_and_resumes_the_daemon_from_the_overview(
+    dashboard: Dashboard, client: Client, open_page: OpenPage
+) -> None:
+    watch = open_page()
+    log_in(watch, dashboard.url)
+    watch.page.goto(dashboard.url)
+    row = watch.page.locator(f'tr[data-daemon="{CONSUMER}"]')
+    watch.page.wait_for_function(  # the heartbeat's figures: KV blocks and version
+        "s => /blocks/.test(document.querySelector(s)?.textContent)",
+        arg=f'tr[data-daemon="{CONSUMER}"]',
+    )
+    assert batchd.__version__ in row.inner_text()
+
+    def press(action: str) -> None:
+        # The sections are replaced live: find the button afresh each time.
+        watch.page.locator(
+            f'tr[data-daemon="{CONSUMER}"] form:has(input[value="{action}"]) button'
+        ).click()
+
+    def shown(state: str) -> None:
+        watch.page.wait_for_selector(f'tr[data-daemon="{CONSUMER}"] .state.s-{state}')
+
+    try:
+        press("pause")
+        shown("paused")
+        watch.shot("dashboard-daemon-paused")
+        job = client.submit("Held back", max_tokens=4)
+        time.sleep(1.0)  # many heartbeat intervals: the daemon would have read it
+        assert job.status().state is JobState.queued
+        press("resume")
+        shown("idle")
+        assert job.result(timeout=60).finish_reason is not None
+        audit = client.redis.xrevrange("batchd:dashboard:audit", count=5)
+        done = {f[b"action"] for _, f in audit if f[b"outcome"] == b"requested"}
+        assert done >= {b"daemon pause", b"daemon resume"}
+    finally:
+        client.redis.hset(KEYS.control(CONSUMER), mapping={"intake": "open", "drain": "0"})
 
 
 def test_search_and_batches_pages(

@@ -7,9 +7,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 import redis
+from dashboard_helpers import run_dashboard
 from starlette.testclient import TestClient
 
 from batchd.producers.client import Client
@@ -17,8 +19,10 @@ from batchd.producers.dashboard.app import create_app
 from batchd.producers.dashboard.auth import COOKIE
 from batchd.producers.dashboard.options import DashboardOptions
 from batchd.producers.dashboard.records.dead import redrive_id
+from batchd.producers.gateway.serving.beat import gateway_beat
 from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, Keys, event_id
 from batchd.producers.schema import Event, JobState, JobStatus, Timings, Usage
+from support.daemon_harness import wait_until
 from support.redis_server import RedisServer
 
 KEY = "http-operator-key-0123456789"
@@ -158,6 +162,19 @@ def test_a_daemon_control_is_written_only_when_the_daemon_announces_it(
     overview = app_client.get("/").text
     assert 'action="/daemons/able%3A2/control"' in overview
     assert 'action="/daemons/plain%3A1/control"' not in overview
+
+
+def test_the_overview_lists_the_gateways_alive(redis_server: RedisServer) -> None:
+    conn = redis_server.client()
+    options = DashboardOptions(refresh_s=0.2, discovery_s=0.2, latency=False)
+    none = "No live <code>batchd gateway</code>"
+    with run_dashboard(redis_server.url, options) as dashboard:
+        assert none in httpx.get(dashboard.url).text
+        with gateway_beat(conn, KEYS, queue="default") as beat:  # what a gateway app runs
+            shown = f'data-gateway="{beat.fields["name"]}"'
+            wait_until(lambda: shown in httpx.get(dashboard.url).text, what="gateway shown")
+            assert "queue default" in httpx.get(dashboard.url).text
+        wait_until(lambda: none in httpx.get(dashboard.url).text, what="gateway gone")
 
 
 def test_a_private_dashboard_and_a_read_only_one(redis_server: RedisServer) -> None:

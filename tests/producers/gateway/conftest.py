@@ -53,6 +53,9 @@ def run_gateway(
         yield Gateway(url, redis_url, options)
 
 
+AUDIT_GROUP = "audit"
+
+
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
@@ -74,6 +77,10 @@ def daemon(
     while not client.keys("batchd:daemon:*"):
         assert time.monotonic() < deadline, "no heartbeat"
         time.sleep(0.05)
+    # An audit group that reads nothing: the daemon's trimming of acked entries keeps every
+    # entry past it (batchd.daemon.fleet.housekeeping), so a test can read what the
+    # gateway queued after the job has ended (test_gateway_tools.last_job).
+    client.xgroup_create("batchd:queue:default", AUDIT_GROUP, id="$", mkstream=True)
     client.close()
     yield proc
     proc.kill()

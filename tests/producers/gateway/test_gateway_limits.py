@@ -17,7 +17,7 @@ from batchd.producers.schema import JobState, JobStatus
 from support.redis_server import free_port
 
 MODEL = "tiny"
-LONG = {"model": MODEL, "prompt": "Once", "max_tokens": 3000, "temperature": 0}
+LONG = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "temperature": 0}
 API_KEY = "sk-test-gateway"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

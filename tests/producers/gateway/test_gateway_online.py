@@ -185,7 +185,8 @@ def test_async_client_concurrent_streams_and_logprobs(gateway: Any) -> None:
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
             "response_format",
         ),
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),

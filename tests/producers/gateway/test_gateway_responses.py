@@ -100,9 +100,11 @@ def test_a_named_tool_gives_a_function_call_item_and_its_output_goes_back(
         temperature=0,
     )
     assert follow_up.status == "incomplete" and follow_up.output_text
-    messages = last_job(gateway.redis_url)["messages"]
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
-    assert messages[3]["content"] == "21 C"
+    job = last_job(gateway.redis_url)
+    messages = job["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[2]["content"] == "21 C"
+    assert [t["function"]["name"] for t in job["tools"]] == ["get_weather", "get_time"]
 
 
 def test_streaming_events_build_the_same_response(oai: openai.OpenAI) -> None:

@@ -180,7 +180,11 @@ def test_a_tool_result_goes_back_to_the_model(oai: openai.OpenAI, gateway: Any) 
     assert job["messages"][2]["content"] == '{"temp_c": 21}'
 
 
-def test_auto_describes_the_tools_and_answers_text(oai: openai.OpenAI, gateway: Any) -> None:
+def test_auto_hands_the_tools_to_the_daemon_and_answers_text(
+    oai: openai.OpenAI, gateway: Any
+) -> None:
+    """The job carries the tools as they are and the messages untouched: the daemon gives
+    them to the chat template (or describes them: tests/engine/test_chat_tools.py)."""
     reply = oai.chat.completions.create(
         model=MODEL,
         messages=[{"role": "system", "content": "Be brief."}, *ASK],
@@ -190,9 +194,19 @@ def test_auto_describes_the_tools_and_answers_text(oai: openai.OpenAI, gateway: 
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    system = last_job(gateway.redis_url)["messages"][0]
-    assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n# Tools")
-    assert '"name":"get_weather"' in system["content"] and "<tool_call>" in system["content"]
+    job = last_job(gateway.redis_url)
+    assert job["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert job["tools"] == TOOLS
+    # The daemon showed them to the model: the fixture's template has no tools, so they
+    # are described in the system message, and the prompt is that much longer.
+    plain = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, *ASK],
+        max_tokens=1,
+        temperature=0,
+    )
+    assert reply.usage is not None and plain.usage is not None
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 100
 
 
 @pytest.mark.parametrize(

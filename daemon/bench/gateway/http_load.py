@@ -1,10 +1,12 @@
-"""A bounded HTTP load generator for the gateway: raw asyncio sockets, 127.0.0.1 only.
+"""A bounded HTTP load client for the gateway: raw asyncio sockets, 127.0.0.1 only.
 
-httpx or the openai client cost a few milliseconds of CPU per request, which on a 2-core
-host would measure the client, not the gateway. This speaks just enough HTTP/1.1: one
-request per connection (``Connection: close``), a JSON body, a Content-Length or chunked
-answer, and for SSE it counts the token chunks and checks the stream ends with
-``[DONE]``. Every run is bounded: a fixed number of requests, each with a timeout.
+``batchd bench --workload gateway`` and the gateway's load tests send their requests
+with it. httpx or the openai client cost a few milliseconds of CPU per request, which
+on a 2-core host would measure the client, not the gateway. This speaks just enough
+HTTP/1.1: one request per connection (``Connection: close``), a JSON body, a
+Content-Length or chunked answer, and for SSE it counts the token chunks and checks
+the stream ends with ``[DONE]``. Every run is bounded: a fixed number of requests,
+each with a timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Outcome:
 
 @dataclass
 class Report:
+    """Every outcome of one run and its wall time; :meth:`summary` is what a report shows."""
+
     outcomes: list[Outcome]
     wall_s: float
     statuses: Counter[int] = field(default_factory=Counter)
@@ -46,6 +50,8 @@ class Report:
         self.statuses = Counter(o.status for o in self.outcomes)
 
     def summary(self) -> dict[str, Any]:
+        """Requests, statuses, requests/s and latency quantiles of the 200s (ms), and the
+        three most common client-side errors."""
         ok = [o for o in self.outcomes if o.status == 200]
         latencies = sorted(o.latency_s for o in ok)
         firsts = sorted(o.first_token_s for o in ok if o.first_token_s is not None)
