@@ -125,7 +125,14 @@ class GatewayLoad(threading.Thread):
         self.oai.close()
 
     def complete(self, *, streamed: bool) -> str:
-        options: dict[str, Any] = {"model": "tiny", "prompt": "Once upon", "max_tokens": 16}
+        # Greedy on a prompt the tiny model continues for ~1400 tokens: every answer ends
+        # at max_tokens (sampled, one may end early at the end token by chance).
+        options: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": "Once",
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         if not streamed:
             reply = self.oai.completions.create(**options)
             assert reply.choices[0].finish_reason == "length"
