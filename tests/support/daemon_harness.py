@@ -373,6 +373,16 @@ def token_ids(events: list[Event]) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
 
 
+def wait_heartbeat(redis_url: str, consumer: str = "*", *, timeout: float = 10) -> None:
+    """Until the heartbeat of daemon ``consumer`` (or of any daemon) is in Redis."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pattern = f"batchd:daemon:{consumer}"
+        wait_until(lambda: bool(client.keys(pattern)), timeout=timeout, what="a heartbeat")
+    finally:
+        client.close()
+
+
 def wait_until(predicate: Callable[[], bool], *, timeout: float = 10, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

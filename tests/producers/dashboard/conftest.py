@@ -3,13 +3,11 @@ uvicorn on a thread, and a headless Chromium whose pages fail a test on console 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from dashboard_helpers import (
     CONSUMER,
     DESKTOP,
@@ -23,21 +21,13 @@ from dashboard_helpers import (
 
 from batchd.producers.dashboard.options import DashboardOptions
 from support.browser import chromium
-from support.daemon_harness import DaemonProcess, daemon_config
-from support.redis_server import RedisServer
+from support.daemon_harness import DaemonProcess, daemon_config, wait_heartbeat
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     shots = sorted(screenshot_dir().glob("*.png")) if screenshot_dir().exists() else []
     if shots:
         terminalreporter.write_line(f"dashboard screenshots ({len(shots)}): {screenshot_dir()}")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server.url
-    server.kill()
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +44,7 @@ def daemon(
         log_path=tmp / "d.log",
         consumer=CONSUMER,
     ).wait_serving()
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + 10
-    while not client.exists(f"batchd:daemon:{CONSUMER}"):
-        assert time.monotonic() < deadline, "no heartbeat"
-        time.sleep(0.05)
-    client.close()
+    wait_heartbeat(redis_url, CONSUMER)
     yield proc
     proc.kill()
 

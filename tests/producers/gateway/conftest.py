@@ -6,7 +6,6 @@ talk to it with the official ``openai`` package, as any client would.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.serving.server import uvicorn_config
 from support.asgi import serve_in_thread
-from support.daemon_harness import DaemonProcess, daemon_config
-from support.redis_server import RedisServer, free_port
+from support.daemon_harness import DaemonProcess, daemon_config, wait_heartbeat
+from support.redis_server import free_port
 
 API_KEY = "sk-test-gateway"
 
@@ -57,13 +56,6 @@ AUDIT_GROUP = "audit"
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server.url
-    server.kill()
-
-
-@pytest.fixture(scope="module")
 def daemon(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DaemonProcess]:
@@ -72,11 +64,8 @@ def daemon(
     proc = DaemonProcess(
         daemon_config(tmp, redis_url), model=tiny_model, log_path=tmp / "d.log"
     ).wait_serving()
+    wait_heartbeat(redis_url)
     client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + 10
-    while not client.keys("batchd:daemon:*"):
-        assert time.monotonic() < deadline, "no heartbeat"
-        time.sleep(0.05)
     # An audit group that reads nothing: the daemon's trimming of acked entries keeps every
     # entry past it (batchd.daemon.fleet.housekeeping), so a test can read what the
     # gateway queued after the job has ended (test_gateway_tools.last_job).
