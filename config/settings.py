@@ -8,6 +8,7 @@ documented default file ``config/batchd.toml`` lists every option.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -125,6 +126,18 @@ class Settings(BaseSettings):
             raise ValueError("must start with " + ", ".join(SCHEMES))
         if is_sentinel_url(value):
             parse_sentinel_url(value)  # ValueError naming the bad part
+        return value
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_mappings(cls, value: Any) -> Any:
+        # The environment gives engine.adapters as JSON text: pydantic-settings decodes the
+        # complex fields of models only, and the engine's options are a dataclass.
+        if isinstance(value, dict) and isinstance(value.get("adapters"), str):
+            try:
+                return {**value, "adapters": json.loads(value["adapters"])}
+            except ValueError as exc:
+                raise ValueError(f"adapters: not a JSON object of name -> path: {exc}") from None
         return value
 
     def connection_url(self) -> str:

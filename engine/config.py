@@ -8,9 +8,15 @@ machinery and no option is written twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "float16", "bfloat16")
+# What a job may name (the wire schema's NAME_PATTERN; producers are not imported here).
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+SPECULATIVE = ("off", "ngram")
 
 
 @dataclass(kw_only=True)
@@ -64,6 +70,19 @@ class EngineConfig:
     """Most of available memory (Linux: MemAvailable; macOS: Metal's recommended working
     set) the automatically sized pool may take, as a fraction: a cap, not a target."""
 
+    kv_bits: int | None = None
+    """KV-cache quantization: None stores K/V in the model's dtype; 8 or 4 stores them
+    group-wise quantized as mlx-lm's QuantizedKVCache does: bits/8 bytes a value plus a
+    scale and a bias (in the model's dtype) per kv_group_size values, instead of the
+    dtype's 2 or 4 bytes a value, so the automatic pool holds that many more tokens
+    within kv_memory_fraction. Costs some accuracy (8 bits: small; 4 bits: much more)
+    and, on a CPU, the C attention and products (the MLX path runs).
+    docs/performance.md, "KV-cache quantization"."""
+
+    kv_group_size: int = 64
+    """Values sharing one scale and bias when kv_bits is set: 32, 64 or 128; must divide
+    the model's head_dim (checked at load)."""
+
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks across steps so running decodes never stall. When off,
     a prompt is prefilled whole in one step, so a prompt longer than max_num_batched_tokens
@@ -86,6 +105,42 @@ class EngineConfig:
 
     dtype: str | None = None
     """Compute dtype override (float32, float16, bfloat16); None keeps the model's."""
+
+    speculative: str = "off"
+    """Speculative decoding: ``off``, or ``ngram`` (prompt lookup: a decoding row's
+    next tokens are proposed from where its last tokens occurred earlier in its prompt
+    and output, and verified in the same forward as the other rows). Outputs are the
+    same either way, token for token; ngram pays where outputs copy their prompt
+    (extraction, editing). A request may opt out (``SamplingParams.speculative``
+    False) or in (True, even when this is off: then ngram). docs/engine.md,
+    "Speculative decoding"."""
+
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per row and step with speculative decoding."""
+
+    speculative_ngram_min: int = 2
+    """Shortest suffix n-gram prompt lookup matches (it tries the longest first)."""
+
+    speculative_ngram_max: int = 4
+    """Longest suffix n-gram prompt lookup matches."""
+
+    speculative_max_decode_rows: int | None = 32
+    """Proposed tokens join a step only while its decode rows (one per decoding sequence
+    plus the proposed tokens) stay within this many; None: no bound. A verified
+    position costs a row of compute whether it is accepted or not: nearly free while a
+    step is bound by reading the weights (few rows), a cost once it is bound by compute
+    (many rows on a CPU), where a wrong proposal slows every row of the step."""
+
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters served: name -> adapter directory (mlx-lm's ``adapter_config.json``
+    and ``adapters.safetensors``, or PEFT's ``adapter_model.safetensors``). A job names
+    one in its ``adapter`` field; the gateway serves it as model ``<model>:<name>``.
+    Each is read at start (a broken one stops the start, named). docs/adapters.md."""
+
+    max_resident_adapters: int = 8
+    """Most adapters kept loaded; another one named by a request is loaded again,
+    evicting the least recently used one no running request uses (one in use is
+    never evicted: the cache may then hold more, until they finish)."""
 
     def __post_init__(self) -> None:
         _require("max_num_seqs", self.max_num_seqs, _positive_int(self.max_num_seqs), ">= 1")
@@ -117,11 +172,43 @@ class EngineConfig:
         _require("kv_tokens_per_seq", per_seq, _positive_int(per_seq), ">= 1")
         fraction = self.kv_memory_fraction
         _require("kv_memory_fraction", fraction, 0 < fraction <= 1, "in (0, 1]")
+        bits = self.kv_bits
+        _require("kv_bits", bits, bits is None or bits in KV_BITS, f"None or one of {KV_BITS}")
+        group = self.kv_group_size
+        _require("kv_group_size", group, group in KV_GROUP_SIZES, f"one of {KV_GROUP_SIZES}")
         _require("aging_rate", self.aging_rate, self.aging_rate >= 0, ">= 0")
+        resident = self.max_resident_adapters
+        _require("max_resident_adapters", resident, _positive_int(resident), ">= 1")
+        _require(
+            "adapters",
+            self.adapters,
+            all(isinstance(n, str) and re.fullmatch(ADAPTER_NAME, n) for n in self.adapters),
+            f"a mapping of names ({ADAPTER_NAME}) to adapter directories",
+        )
         length = self.max_model_len
         _require("max_model_len", length, length is None or _positive_int(length), "None or >= 1")
         _require(
             "dtype", self.dtype, self.dtype is None or self.dtype in DTYPES, f"one of {DTYPES}"
+        )
+        _require(
+            "speculative",
+            self.speculative,
+            self.speculative in SPECULATIVE,
+            f"one of {SPECULATIVE}",
+        )
+        k = self.num_speculative_tokens
+        _require("num_speculative_tokens", k, _positive_int(k), ">= 1")
+        rows = self.speculative_max_decode_rows
+        _require(
+            "speculative_max_decode_rows", rows, rows is None or _positive_int(rows), "None or >= 1"
+        )
+        low, high = self.speculative_ngram_min, self.speculative_ngram_max
+        _require("speculative_ngram_min", low, _positive_int(low), ">= 1")
+        _require(
+            "speculative_ngram_max",
+            high,
+            _positive_int(high) and high >= low,
+            f">= speculative_ngram_min ({low})",
         )
 
     def room(self, *, held: int, queue: int) -> int:

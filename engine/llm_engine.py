@@ -25,10 +25,12 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 
+from batchd.engine.adapters.resident import AdapterCache
 from batchd.engine.config import EngineConfig
 from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.detokenizer import TokenTexts, special_token_ids
 from batchd.engine.exceptions import InvalidRequest
+from batchd.engine.forward import kv_quant
 from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.kv_pool import KVPool, size_pool
 from batchd.engine.forward.model_runner import ModelRunner
@@ -43,6 +45,7 @@ from batchd.engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
 from batchd.engine.scheduling.scheduler import Scheduler
 from batchd.engine.scheduling.sequence import FinishReason
 from batchd.engine.scheduling.sequence import Sequence as Seq
+from batchd.engine.speculative import NgramProposer
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
 
@@ -66,6 +69,7 @@ class LLMEngine:
         self.max_model_len = (
             config.max_model_len or loaded.spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         )
+        quant = kv_quant.from_options(config.kv_bits, config.kv_group_size)
         num_blocks = size_pool(
             loaded.spec,
             block_size=config.block_size,
@@ -74,8 +78,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             tokens_per_seq=config.kv_tokens_per_seq,
             num_blocks=config.num_kv_blocks,
+            quant=quant,
         )
-        self.pool = KVPool(loaded.spec, num_blocks=num_blocks, block_size=config.block_size)
+        self.pool = KVPool(
+            loaded.spec, num_blocks=num_blocks, block_size=config.block_size, quant=quant
+        )
         # The specialised runner for the families it covers, mlx-lm's own forward otherwise.
         self.runner: ModelRunner | GenericRunner = (
             GenericRunner(loaded.model, loaded.spec, self.pool)
@@ -88,7 +95,33 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             computed_rows=self.runner.computed_rows,
             kv_window=loaded.spec.kv_window,
+            propose=self._propose,
         )
+        # Speculative decoding (docs/engine.md, "Speculative decoding").
+        self.proposer = NgramProposer(
+            k=config.num_speculative_tokens,
+            min_n=config.speculative_ngram_min,
+            max_n=config.speculative_ngram_max,
+        )
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        if config.speculative != "off":
+            log.info(
+                "speculative decoding: %s, up to %d tokens a row, n-grams %d..%d, decode "
+                "rows <= %s",
+                config.speculative,
+                config.num_speculative_tokens,
+                config.speculative_ngram_min,
+                config.speculative_ngram_max,
+                config.speculative_max_decode_rows,
+            )
+        # LoRA adapters (docs/adapters.md), read now: a broken one fails at start.
+        self.adapters = AdapterCache(
+            loaded.model, max_resident=config.max_resident_adapters, in_use=self._adapters_in_use
+        )
+        for name, path in config.adapters.items():
+            self.adapters.register(name, path)
+        self.runner.adapters = self.adapters
         self.eos_token_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
         self.grammar_tokenizer = GrammarTokenizer(
             self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids
@@ -134,6 +167,7 @@ class LLMEngine:
         priority: int = 0,
         resume_output_token_ids: Sequence[int] = (),
         sample: int = 0,
+        adapter: str | None = None,
     ) -> FinishReason | None:
         """Queue a request given exactly one of prompt / prompt_token_ids / messages.
 
@@ -155,6 +189,9 @@ class LLMEngine:
         their common prefix, and takes them from the prefix cache instead of
         computing them again (with prefix caching on). Outputs name their sample
         (``RequestOutput.sample``); ``abort`` drops every sample of the request.
+
+        ``adapter`` names a registered LoRA adapter the request runs with (None: the
+        base model); one that is not registered raises InvalidRequest.
         """
         params = params or SamplingParams()
         live = self._live.get(request_id, {})
@@ -167,6 +204,8 @@ class LLMEngine:
             prompt_token_ids=prompt_token_ids,
             messages=messages,
         )
+        if adapter is not None:
+            self.adapters.acquire(adapter, request_id)
         resumed = [int(t) for t in resume_output_token_ids]
         self._check_ids(request_id, ids + resumed + [t for t, _ in params.logit_bias])
         if len(ids) >= self.max_model_len:
@@ -201,6 +240,7 @@ class LLMEngine:
             priority=priority,
             request_id=request_id,
             sample=sample,
+            adapter=adapter,
         )
         leader = next(iter(live.values()), None)
         if leader is not None and self.config.enable_prefix_caching:
@@ -218,6 +258,7 @@ class LLMEngine:
         samples = self._live.pop(request_id, {})
         for seq in samples.values():
             self._prompt_logprobs.pop(seq.seq_id, None)
+            self.proposer.drop(seq.seq_id)
             del self._states[seq.seq_id]
             self.scheduler.abort(seq.seq_id)
         return bool(samples)
@@ -250,24 +291,61 @@ class LLMEngine:
             values[chunk.start : chunk.start + len(targets[i])] = np.array(score).tolist()
         forward_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
+        drafted = accepted = 0
         if host is None:
             self.scheduler.update(scheduled, {})
         else:
-            rows = [self._sample_row(c.seq, allowed.get(c.seq.seq_id)) for c in sampling]
-            samples = sample(host, rows)
-            sampled = {c.seq.seq_id: t for c, t in zip(sampling, samples.token_ids, strict=True)}
-            self.scheduler.update(scheduled, sampled)
-            for i, chunk in enumerate(sampling):
-                outputs.append(
-                    self._output(
-                        chunk.seq,
-                        samples.token_ids[i],
-                        samples.logprobs[i],
-                        samples.top_logprobs[i],
-                    )
-                )
-        self.last_step_stats = self._stats(scheduled, start, forward_s, len(outputs))
+            outputs, drafted, accepted = self._sample_and_emit(scheduled, sampling, host, allowed)
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.last_step_stats = self._stats(
+            scheduled, start, forward_s, len(outputs), drafted, accepted
+        )
         return outputs
+
+    def _sample_and_emit(
+        self,
+        scheduled: SchedulerOutput,
+        sampling: list[ScheduledChunk],
+        host: np.ndarray,
+        allowed: dict[str, np.ndarray],
+    ) -> tuple[list[RequestOutput], int, int]:
+        """Sample every logits row, keep each verify chunk's accepted run, update the
+        scheduler and emit; the outputs, proposed and accepted draft tokens."""
+        rows: list[SampleRow] = []
+        for c in sampling:
+            if c.draft:
+                rows.extend(self._verify_rows(c.seq, len(c.draft)))
+            else:
+                rows.append(self._sample_row(c.seq, allowed.get(c.seq.seq_id)))
+        samples = sample(host, rows)
+        ids = samples.token_ids
+        sampled: dict[str, int | list[int]] = {}
+        emitted: list[tuple[ScheduledChunk, int, int]] = []  # chunk, first row, count
+        drafted = accepted = row = 0
+        for c in sampling:
+            n = 1
+            if c.draft:
+                # Keep each sampled token while it is the one proposed at that position:
+                # the next position's logits then saw exactly the non-speculative context.
+                while n <= len(c.draft) and ids[row + n - 1] == c.draft[n - 1]:
+                    n += 1
+                sampled[c.seq.seq_id] = ids[row : row + n]
+                drafted += len(c.draft)
+                accepted += n - 1
+            else:
+                sampled[c.seq.seq_id] = ids[row]
+            emitted.append((c, row, n))
+            row += c.num_logits
+        self.scheduler.update(scheduled, sampled)
+        outputs: list[RequestOutput] = []
+        for chunk, first, n in emitted:
+            for r in range(first, first + n):
+                out = self._output(chunk.seq, ids[r], samples.logprobs[r], samples.top_logprobs[r])
+                outputs.append(out)
+                if out.finished:
+                    break  # a stop or max_tokens inside the accepted run: none after
+        return outputs, drafted, accepted
 
     def generate(
         self,
@@ -293,6 +371,15 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # -- internals -------------------------------------------------------------------------
+
+    def _adapters_in_use(self) -> set[str]:
+        """Adapters some live sample runs with: never evicted."""
+        return {
+            seq.adapter
+            for samples in self._live.values()
+            for seq in samples.values()
+            if seq.adapter is not None
+        }
 
     def _check_ids(self, request_id: str, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
@@ -322,6 +409,33 @@ class LLMEngine:
         matchers = [self._states[i].matcher for i in ids]
         masks = self.grammar_tokenizer.masks([m for m in matchers if m is not None])
         return dict(zip(ids, masks, strict=True))
+
+    def _propose(self, seq: Seq, room: int) -> list[int]:
+        """The scheduler's proposer: prompt-lookup tokens for a decoding row that may
+        speculate, at most ``room``. Rows whose logits processors depend on the tokens
+        before them beyond their position (a grammar; penalties) never speculate, so
+        they see exactly the context they would without it."""
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            return []
+        params = state.params
+        wanted = params.speculative
+        if wanted is False or (wanted is None and self.config.speculative == "off"):
+            return []
+        if state.matcher is not None or params.penalises_recent:
+            return []
+        return self.proposer.propose(seq, room)
+
+    def _verify_rows(self, seq: Seq, num_draft: int) -> list[SampleRow]:
+        """The sample rows of a verify chunk: the decode's, then one per draft token,
+        each at its own output position (its own seeded draw) and min_tokens state."""
+        state = self._states[seq.seq_id]
+        return [
+            SampleRow(
+                state.params, state.seed, state.num_outputs + j, None, tuple(state.banned_after(j))
+            )
+            for j in range(num_draft + 1)
+        ]
 
     def _sample_row(self, seq: Seq, allowed: np.ndarray | None) -> SampleRow:
         state = self._states[seq.seq_id]
@@ -360,6 +474,7 @@ class LLMEngine:
             verdict = TokenVerdict("", FinishReason.error)
         if verdict.finish_reason is not None:
             self.scheduler.finish(seq.seq_id, verdict.finish_reason)
+            self.proposer.drop(seq.seq_id)
             del self._states[seq.seq_id]
             samples = self._live[seq.request_id]
             del samples[seq.sample]
@@ -382,11 +497,17 @@ class LLMEngine:
         )
 
     def _stats(
-        self, scheduled: SchedulerOutput, start: float, forward_s: float, num_outputs: int
+        self,
+        scheduled: SchedulerOutput,
+        start: float,
+        forward_s: float,
+        num_outputs: int,
+        drafted: int = 0,
+        accepted: int = 0,
     ) -> StepStats:
         sched = self.scheduler
         bm = sched.block_manager
-        decode_tokens = scheduled.num_decodes
+        decode_tokens = scheduled.num_decode_tokens
         return StepStats(
             step=self._num_steps,
             num_scheduled_tokens=scheduled.num_batched_tokens,
@@ -403,6 +524,10 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.hit_rate,
             num_preemptions_total=sched.num_preemptions,
             preempted=[s.request_id for s in scheduled.preempted],
+            num_draft_tokens=drafted,
+            num_accepted_tokens=accepted,
+            num_draft_tokens_total=self.num_draft_tokens,
+            num_accepted_tokens_total=self.num_accepted_tokens,
             chunks=[
                 ChunkStat(
                     c.seq.request_id,

@@ -94,6 +94,17 @@ class StepStats:
     num_preemptions_total: int = 0
     preempted: list[str] = field(default_factory=list)
     chunks: list[ChunkStat] = field(default_factory=list)
+    # Speculative decoding: tokens proposed and verified this step, and how many of them
+    # were accepted; the totals since the engine started.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed tokens since the engine started (0 before any)."""
+        return self.num_accepted_tokens_total / (self.num_draft_tokens_total or 1)
 
     @property
     def kv_usage(self) -> float:

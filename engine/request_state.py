@@ -92,6 +92,13 @@ class RequestState:
         """Tokens the next output may not be: the end tokens while under min_tokens."""
         return self._stop_ids if self.num_outputs < self.params.min_tokens else frozenset()
 
+    def banned_after(self, ahead: int) -> frozenset[int]:
+        """``banned`` for the output ``ahead`` positions after the next one (speculative
+        decoding samples several positions at once)."""
+        if self.num_outputs + ahead < self.params.min_tokens:
+            return self._stop_ids
+        return frozenset()
+
     def on_token(self, token_id: int) -> TokenVerdict:
         """Account one sampled token; return its text and finish reason."""
         self.num_outputs += 1

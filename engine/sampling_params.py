@@ -82,6 +82,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "spaces_between_special_tokens": (lambda v: isinstance(v, bool), "a bool"),
     "token_texts": (lambda v: isinstance(v, bool), "a bool"),
     "prompt_logprobs": (lambda v: isinstance(v, bool), "a bool"),
+    "speculative": (lambda v: v is None or isinstance(v, bool), "a bool or None"),
     "constraint": (lambda v: v is None or isinstance(v, Constraint), "a Constraint or None"),
 }
 
@@ -109,6 +110,9 @@ class SamplingParams:
     space (vLLM's defaults: both True). `token_texts` makes each output carry the text
     of each token id it names (the token, its top alternatives, the prompt's tokens with
     `prompt_logprobs`), each decoded alone.
+    `speculative` opts this request in to speculative decoding (True), out of it
+    (False), or leaves it to the engine's option (None); outputs are the same either
+    way (docs/engine.md: Speculative decoding).
     `prompt_logprobs` asks for the log-probability of each prompt token given the
     ones before it (the model's raw logits: no processor applies to the prompt); the
     prompt is then computed whole, never taken from the prefix cache.
@@ -139,6 +143,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     token_texts: bool = False
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         for field, (valid, rule) in _RULES.items():

@@ -293,6 +293,12 @@ class JobRequest(_StrictTypes):
         description="Sequences generated from the prompt (its KV computed once); sequence i "
         "samples with sequence_seed(seed, i); n x max_tokens is held to the max_tokens cap.",
     )
+    adapter: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="A LoRA adapter the daemon serves (its engine.adapters setting) to run "
+        "the job with; absent: the base model. One the daemon does not serve fails the job.",
+    )
     # Structured output and the controls around it (docs/jobs.md: Sampling, Structured
     # output); bounds as OpenAI's.
     presence_penalty: float = Field(
@@ -348,6 +354,12 @@ class JobRequest(_StrictTypes):
         False,
         description="Token events carry token_texts: the text of each token id they name (the "
         "token, its top_logprobs, the prompt's with prompt_logprobs), decoded alone.",
+    )
+    speculative: bool | None = Field(
+        None,
+        description="Speculative decoding (n-gram prompt lookup) for this job: true opts in, "
+        "false out, null follows the daemon's engine option. The output is the same either "
+        "way; it comes faster where it copies the prompt (extraction, editing).",
     )
     response_format: ResponseFormat | None = Field(
         None, description="Hold the output to a JSON schema, any JSON object, a regex or a grammar."
@@ -446,6 +458,7 @@ class JobRequest(_StrictTypes):
                 "skip_special_tokens",
                 "spaces_between_special_tokens",
                 "token_texts",
+                "speculative",
             }
         ) | {"logit_bias": tuple((int(t), b) for t, b in self.logit_bias.items())}
 
@@ -817,6 +830,9 @@ class DaemonHeartbeat(BaseModel):
     stopping: bool = False
     version: str | None = Field(None, description="The daemon's batchd version.")
     kv_blocks_used: int | None = Field(None, description="KV pool blocks in use.")
+    adapters: list[str] = Field(
+        default_factory=list, description="LoRA adapters the daemon serves (a job's adapter)."
+    )
     kv_blocks_total: int | None = Field(None, description="KV pool blocks in all.")
     max_model_len: int | None = Field(
         None, description="The model's context bound: prompt plus output tokens of one job."

@@ -16,4 +16,7 @@ echo "== docs" >&2
 # The documentation site, strictly: a broken link or anchor fails (mkdocs.yml, docs/).
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 echo "== pytest" >&2
-exec python -m pytest -m "not slow" "$@"
+# Three workers (pytest-xdist), a test file each at a time: most tests wait on the
+# processes they start (redis-server, daemons, gateways), so three overlap well on two
+# cores. BATCHD_TEST_WORKERS=0 runs them one by one, in this process.
+exec python -m pytest -m "not slow" -n "${BATCHD_TEST_WORKERS:-3}" --dist loadfile "$@"

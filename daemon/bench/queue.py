@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import itertools
+import json
 import os
 import signal
 import statistics
@@ -63,6 +64,7 @@ from batchd.daemon.bench.systems import BATCHD, Systems, SystemUnavailable, long
 from batchd.daemon.bench.workloads import Workload
 from batchd.daemon.redis_server import free_port
 from batchd.producers.client import Client, follow
+from batchd.producers.connection.factory import redis_client
 from batchd.producers.errors import BatchdError
 
 _SERVE_MODULE = "batchd.daemon.commands.serve"
@@ -88,7 +90,7 @@ def daemon_unavailable(redis_url: str) -> str | None:
     if importlib.util.find_spec(_SERVE_MODULE) is None:
         return "not available: daemon missing"
     try:
-        with redis.Redis.from_url(redis_url, socket_connect_timeout=2) as conn:
+        with redis_client(redis_url, socket_connect_timeout=2) as conn:
             conn.ping()
     except redis.RedisError as exc:
         return f"not available: no Redis at {redact(redis_url)} ({exc})"
@@ -181,6 +183,12 @@ def _compare(
     }
 
 
+def _env_value(value: object) -> str:
+    """An option as the settings read it from the environment: a table (the adapters) as
+    JSON, anything else as its text."""
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
 def _daemon_env(
     systems: Systems, workload: Workload, redis_url: str, prefix: str, metrics_port: int
 ) -> dict[str, str]:
@@ -195,7 +203,7 @@ def _daemon_env(
     )
     # Every engine option, so both engines match field by field.
     engine_env = {
-        f"BATCHD_ENGINE__{name.upper()}": str(value)
+        f"BATCHD_ENGINE__{name.upper()}": _env_value(value)
         for name, value in dataclasses.asdict(config).items()
         if value is not None
     }
@@ -219,7 +227,7 @@ def _run_through_daemon(
     env = _daemon_env(systems, workload, redis_url, prefix, metrics_port)
     command = [sys.executable, "-m", "batchd.daemon.cli", "serve"]
     command += ["--model", str(systems.settings.model_path), "--queue", _QUEUE]
-    conn = redis.Redis.from_url(redis_url)
+    conn = redis_client(redis_url)
     with tempfile.TemporaryDirectory(prefix="batchd-bench-") as tmp:
         log_path = Path(tmp) / "daemon.log"
         progress.phase("queue / batchd serve: starting the daemon")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchd.daemon.bench.speculative import speculative_lines
 from batchd.daemon.bench.sweep import sweep_lines
 from batchd.daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
 from batchd.daemon.bench.workloads import LATENCY_WORKLOADS, THROUGHPUT_WORKLOADS
@@ -130,14 +131,24 @@ def markdown(report: dict[str, Any]) -> str:
         steps = online["systems"].get(BATCHD, {}).get("engine_steps")
         if steps:
             lines += ["", _steps_line(steps)]
-    sweep = report["workloads"].get("online-sweep")
-    if sweep is not None:
-        lines += sweep_lines(sweep)
-    q = report["workloads"].get("queue")
-    if q is not None:
-        lines += ["", _queue_line(q)]
+    lines += _later_lines(report["workloads"])
     lines += ["", f"**{report['headline']}**", ""]
     return "\n".join(lines)
+
+
+def _later_lines(results: dict[str, Any]) -> list[str]:
+    """The sections of the online sweep, the queue and speculative decoding, if run."""
+    lines: list[str] = []
+    sweep = results.get("online-sweep")
+    if sweep is not None:
+        lines += sweep_lines(sweep)
+    q = results.get("queue")
+    if q is not None:
+        lines += ["", _queue_line(q)]
+    spec = results.get("speculative")
+    if spec is not None:
+        lines += ["", *speculative_lines(spec)]
+    return lines
 
 
 def _steps_line(steps: dict[str, Any]) -> str:

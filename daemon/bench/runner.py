@@ -20,6 +20,7 @@ from batchd.daemon.bench import queue
 from batchd.daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
 from batchd.daemon.bench.online import run_online, saturation_rate
 from batchd.daemon.bench.progress import Progress
+from batchd.daemon.bench.speculative import run_speculative, speculative_headline
 from batchd.daemon.bench.sweep import (
     DEFAULT_BOUNDS,
     DEFAULT_ROUNDS,
@@ -55,8 +56,9 @@ OFFLINE_SYSTEMS = {
     "mixed": OFFLINE_ORDER,
     "shared-prefix": tuple(key for key in OFFLINE_ORDER if key != STATIC),
 }
-# Run only when asked for by name (not part of a full run): see batchd.daemon.bench.sweep.
-EXTRA_WORKLOADS = ("online-sweep",)
+# Run only when asked for by name (not part of a full run): see batchd.daemon.bench.sweep
+# and batchd.daemon.bench.speculative.
+EXTRA_WORKLOADS = ("online-sweep", "speculative")
 
 # batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (every
 # running decode waits for the prefill tokens its step carries). 4 was the one bound that
@@ -193,6 +195,15 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             progress=progress,
             rounds=options.queue_rounds,
         )
+    if "speculative" in options.workloads:
+        results["speculative"] = run_speculative(
+            model_path=options.model_path,
+            engine=options.engine,
+            scale=options.scale,
+            vocab_size=vocab,
+            seed=options.seed,
+            progress=progress,
+        )
     report["headline"] = headline(report)
     return report
 
@@ -309,4 +320,7 @@ def headline(report: dict[str, Any]) -> str:
     sweep = results.get("online-sweep")
     if sweep is not None:
         parts.append(sweep_headline(sweep))
+    spec = results.get("speculative")
+    if spec is not None:
+        parts.append(speculative_headline(spec))
     return "; ".join(parts)

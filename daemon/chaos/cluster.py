@@ -1,6 +1,10 @@
 """The system under test: one redis-server (AOF, ``everysec``) and D ``batchd serve``
 processes, each reaching Redis through its own proxy so one can be partitioned alone.
 
+On a Sentinel deployment (``sentinel=True``) the daemons connect with the
+``redis+sentinel://`` URL instead: no proxy (they must follow the master wherever it
+moves), and the Redis fault is :meth:`Cluster.failover`.
+
 Every daemon exit the run did not cause is counted (and the daemon restarted, so one
 crash does not hide the rest of the run's findings).
 """
@@ -24,10 +28,14 @@ from batchd.config.settings import Settings
 from batchd.daemon.chaos.aof import AofTail, Cut
 from batchd.daemon.chaos.proxy import Proxy
 from batchd.daemon.redis_server import RedisServer
+from batchd.daemon.sentinel_server import SentinelDeployment
 
 log = logging.getLogger(__name__)
 
 SERVING = b"serving queues"
+# A master silent this long is down for the Sentinels. Shorter ones fail over by
+# themselves when the run's own load (every process on a few cores) delays a reply.
+SENTINEL_DOWN_AFTER_MS = 2000
 
 
 @dataclass
@@ -35,7 +43,7 @@ class DaemonSlot:
     """One daemon position: its proxy outlives the processes that fill the slot."""
 
     index: int
-    proxy: Proxy
+    proxy: Proxy | None  # None on Sentinel: the daemon asks the Sentinels for the master
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     # Set by the run before a signal it sends, so the exit it causes is not a finding.
@@ -51,7 +59,9 @@ class Cluster:
     model: Path
     daemons: int
     settings: Settings
+    sentinel: bool = False
     redis_server: RedisServer = field(init=False)
+    deployment: SentinelDeployment | None = field(init=False, default=None)
     aof: AofTail = field(init=False)
     slots: list[DaemonSlot] = field(default_factory=list)
     # Each daemon death the run did not cause, as a finding: exit code and last log lines.
@@ -69,19 +79,30 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return self.redis_server.url
+        return self.deployment.url if self.deployment else self.redis_server.url
+
+    @property
+    def master(self) -> RedisServer:
+        """The server taking writes now (the deployment's master, on Sentinel)."""
+        return self.deployment.master if self.deployment else self.redis_server
 
     def admin(self) -> redis.Redis:
-        """A direct connection (no proxy) for the fault injector and the checks."""
-        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
+        """A direct connection (no proxy) to the master, for the fault injector and the
+        checks."""
+        return redis.Redis.from_url(self.master.url, socket_timeout=5, socket_connect_timeout=5)
 
     def start(self) -> Cluster:
-        self.redis_server.start()
-        self.aof.start()
-        for index in range(self.daemons):
-            slot = DaemonSlot(
-                index, Proxy(self.redis_server.port), self.workdir / f"daemon{index}.log"
+        if self.sentinel:
+            self.deployment = SentinelDeployment(
+                self.workdir / "sentinel", down_after_ms=SENTINEL_DOWN_AFTER_MS
             )
+            self.deployment.wait_ready()
+        else:
+            self.redis_server.start()
+            self.aof.start()
+        for index in range(self.daemons):
+            proxy = None if self.sentinel else Proxy(self.redis_server.port)
+            slot = DaemonSlot(index, proxy, self.workdir / f"daemon{index}.log")
             self.slots.append(slot)
             self._spawn(slot)
         for slot in self.slots:
@@ -103,7 +124,11 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     slot.proc.kill()
                     slot.proc.wait(10)
-            slot.proxy.close()
+            if slot.proxy is not None:
+                slot.proxy.close()
+        if self.deployment is not None:
+            self.deployment.stop()
+            return
         self.aof.join()
         self.redis_server.stop()
 
@@ -121,7 +146,7 @@ class Cluster:
 
     def _spawn(self, slot: DaemonSlot) -> None:
         args = [sys.executable, "-m", "batchd.daemon.cli", "serve", "--model", str(self.model)]
-        args += ["--redis-url", slot.proxy.url]
+        args += ["--redis-url", slot.proxy.url if slot.proxy else self.url]
         with open(slot.log_path, "ab") as out:
             out.write(f"--- start {slot.starts}\n".encode())
             slot.proc = subprocess.Popen(
@@ -185,6 +210,28 @@ class Cluster:
         cut = self.aof.cut()
         self.redis_server.start(timeout_s=60)
         return cut
+
+    def failover(self) -> tuple[int, int]:
+        """SIGKILL the master; once the Sentinels promoted its replica, start the killed
+        one again as a replica of the new master (ready for the next failover). Returns
+        the old and the new master's ports."""
+        assert self.deployment is not None, "a failover needs the Sentinel deployment"
+        deployment = self.deployment
+        old = deployment.kill_master()
+        deployment.rejoin(old)
+        if (named := deployment.master_port()) != deployment.master.port:
+            # A failover the run did not ask for: its lost writes would go unchecked.
+            raise RuntimeError(
+                f"Sentinels name master :{named}, the run promoted :{deployment.master.port}"
+                f":\n{deployment.log_tails()}"
+            )
+        return old.port, deployment.master.port
+
+    def master_switches(self) -> int:
+        """Master changes the first Sentinel logged: each failover, asked for or not."""
+        assert self.deployment is not None
+        sentinel_log = self.deployment.sentinels[0].directory / "sentinel.log"
+        return sentinel_log.read_text(errors="replace").count("+switch-master")
 
     def pause_redis(self, seconds: float) -> None:
         _frozen_for(self.redis_server.proc, seconds)

@@ -30,6 +30,20 @@ class FaultKind(str, Enum):
     refused_writes = "Redis refuses writes (maxmemory)"
     read_only = "Redis read-only (demoted replica)"
     network_partition = "daemon partitioned > heartbeat TTL"
+    failover = "Sentinel failover (master SIGKILL)"
+
+
+# On a Sentinel deployment: what each fault needs that it lacks. A partition proxies one
+# address (the daemons must follow the master); a paused or demoted master would make the
+# Sentinels fail over by themselves, which the failover fault does on purpose.
+NOT_ON_SENTINEL = {
+    FaultKind.network_partition: "daemons reach Redis without a proxy",
+    FaultKind.redis_pause: "a paused master is failed over: see failovers",
+    FaultKind.read_only: "a demoted master is reconfigured by the Sentinels",
+}
+# Writes a killed master acknowledged this long before its kill may not have reached the
+# replica (replication is asynchronous): they are checked and resent where lost.
+REPLICATION_LAG_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,7 @@ class Injector(Background):
             detail += f", {holds.past_heartbeat_s:.1f}s"
         elif fault.kind is FaultKind.network_partition:
             proxy = cluster.slots[fault.daemon].proxy
+            assert proxy is not None, "no partition on Sentinel (NOT_ON_SENTINEL)"
             proxy.pause()
             time.sleep(holds.past_heartbeat_s)
             proxy.resume()
@@ -105,6 +120,12 @@ class Injector(Background):
             self.ledger.cuts.append(cut.since)
             detail = f"{cut.dropped_bytes} bytes of AOF dropped"
             self.after_redis_crash(cut.since)
+        elif fault.kind is FaultKind.failover:
+            since = time.monotonic() - REPLICATION_LAG_S
+            self.ledger.cuts.append(since)  # before the kill: its losses are excused from it
+            old, new = cluster.failover()
+            detail = f"master :{old} -> :{new}"
+            self.after_redis_crash(since)
         elif fault.kind is FaultKind.redis_pause:
             cluster.pause_redis(holds.past_socket_timeout_s)
             detail = f"{holds.past_socket_timeout_s:.1f}s"

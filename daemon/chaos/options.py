@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+DEPLOYMENTS = ("single", "sentinel")
 
-def flag(default: int | float, about: str, **argparse_options: Any) -> Any:
+
+def flag(default: int | float | str, about: str, **argparse_options: Any) -> Any:
     """A field that is also a ``batchd chaos`` option; ``about`` is its help text."""
     return field(default=default, metadata={"help": about, **argparse_options})
 
@@ -24,7 +26,18 @@ class ChaosOptions:
     each_other_fault: int = flag(
         1,
         "how many of each other fault: daemon SIGSTOP, partition, Redis pause, refused "
-        "writes, read-only window",
+        "writes, read-only window (on sentinel: daemon SIGSTOP and refused writes only)",
+        metavar="N",
+    )
+    deployment: str = flag(
+        "single",
+        "the Redis the run starts: one redis-server, or a master, a replica and three "
+        "Sentinels (a Redis SIGKILL is then a kill of the current master)",
+        choices=DEPLOYMENTS,
+    )
+    failovers: int = flag(
+        0,
+        "Sentinel failovers: SIGKILL the current master (needs --deployment sentinel)",
         metavar="N",
     )
     subscribers: int = 4
@@ -35,6 +48,18 @@ class ChaosOptions:
         metavar="S",
         name="--result-ttl",
     )
+
+
+def problem(options: ChaosOptions) -> str | None:
+    """Why ``batchd chaos`` refuses these options (None: it runs them)."""
+    if min(options.jobs, options.daemons) < 1:
+        return "--jobs and --daemons must be >= 1"
+    counts = (options.kills, options.hostile, options.redis_crashes, options.each_other_fault)
+    if min(*counts, options.failovers) < 0:
+        return "fault counts must be >= 0"
+    if options.failovers and options.deployment != "sentinel":
+        return "--failovers needs --deployment sentinel (one redis-server has no replica)"
+    return None
 
 
 def command_line_fields() -> list[Field[Any]]:

@@ -22,6 +22,7 @@ from batchd.daemon.chaos.hostile import HostileSource
 from batchd.daemon.chaos.ledger import HostileSend, Ledger
 from batchd.daemon.chaos.workload import CancelAt, ChaosJob, Via
 from batchd.producers.client import Client
+from batchd.producers.connection.factory import redis_client
 from batchd.producers.errors import JobNotFound, ValidationError
 from batchd.producers.keys import JOB_FIELD, Keys
 
@@ -65,7 +66,7 @@ class Producer(Background):
         self.result_ttl_s = result_ttl_s
         self.keys = Keys()
         # Socket timeouts shorter than the Redis pause fault, so it is felt as a timeout.
-        self.redis = redis.Redis.from_url(url, socket_timeout=3.0, socket_connect_timeout=3.0)
+        self.redis = redis_client(url, socket_timeout=3.0, socket_connect_timeout=3.0)
         self.client = Client(self.redis, block_ms=200)
 
     def work(self) -> None:

@@ -20,7 +20,7 @@ import redis
 from batchd.config.settings import Settings
 from batchd.daemon.chaos.background import Background
 from batchd.daemon.chaos.cluster import Cluster
-from batchd.daemon.chaos.faults import FaultKind, Holds, Injector, schedule
+from batchd.daemon.chaos.faults import NOT_ON_SENTINEL, FaultKind, Holds, Injector, schedule
 from batchd.daemon.chaos.ledger import Ledger
 from batchd.daemon.chaos.options import ChaosOptions
 from batchd.daemon.chaos.producer import Producer
@@ -79,9 +79,17 @@ def chaos_settings(options: ChaosOptions, engine: EngineConfig) -> Settings:
 
 
 def fault_counts(options: ChaosOptions) -> dict[FaultKind, int]:
-    counts = {FaultKind.daemon_kill: options.kills, FaultKind.redis_crash: options.redis_crashes}
+    """How many of each fault. On Sentinel a Redis crash is a crash of the current master,
+    that is a failover, and the faults that need one address are not run."""
+    sentinel = options.deployment == "sentinel"
+    counts = {
+        FaultKind.daemon_kill: options.kills,
+        FaultKind.redis_crash: 0 if sentinel else options.redis_crashes,
+        FaultKind.failover: options.failovers + options.redis_crashes if sentinel else 0,
+    }
     for kind in FaultKind:
-        counts.setdefault(kind, options.each_other_fault)
+        skipped = sentinel and kind in NOT_ON_SENTINEL
+        counts.setdefault(kind, 0 if skipped else options.each_other_fault)
     return counts
 
 
@@ -97,8 +105,12 @@ def run_chaos(
     progress(f"reference: {len(jobs)} jobs in-process, no faults")
     reference, reference_seconds = reference_outputs(model, engine, jobs)
     settings = chaos_settings(options, engine)
-    cluster = Cluster(workdir, model, options.daemons, settings)
-    progress(f"starting redis-server (AOF everysec) and {options.daemons} daemons")
+    sentinel = options.deployment == "sentinel"
+    cluster = Cluster(workdir, model, options.daemons, settings, sentinel=sentinel)
+    redis_desc = "a master, a replica, 3 Sentinels" if sentinel else "redis-server (AOF everysec)"
+    progress(f"starting {redis_desc} and {options.daemons} daemons")
+    if sentinel and options.each_other_fault:
+        progress("not run on Sentinel: " + "; ".join(NOT_ON_SENTINEL.values()))
     cluster.start()
     ledger = Ledger()
     holds = Holds(
@@ -176,6 +188,9 @@ def run_chaos(
         stop_load()
         seconds = time.monotonic() - started
         failures += [f"{name} failed: {part.error!r}" for name, part in parts if part.error]
+        if sentinel and (switches := cluster.master_switches()) != ledger.faults["failover"]:
+            # A failover nobody asked for: the writes it lost would go unchecked.
+            failures.append(f"{switches} master switches, {ledger.faults['failover']} asked")
         admin = cluster.admin()
         verdict = judge(
             jobs, reference, ledger, admin, unexpected_exits=len(cluster.unexpected_exits)
@@ -242,7 +257,9 @@ class _MemoryWatch(Background):
         while not self.stop.wait(0.25):
             try:
                 info: Any = admin.info("memory")
-            except redis.RedisError:  # down or paused by a fault: the next sample counts
+            except redis.RedisError:  # down, paused or failed over: ask the master again
+                admin.close()
+                admin = self.cluster.admin()
                 continue
             self.bytes = max(self.bytes, int(info["used_memory"]))
         admin.close()

@@ -20,6 +20,7 @@ from batchd.daemon.chaos.ledger import Ledger
 from batchd.daemon.chaos.producer import Producer
 from batchd.daemon.chaos.workload import CancelAt, ChaosJob
 from batchd.producers.client import follow
+from batchd.producers.connection.factory import redis_client
 from batchd.producers.errors import JobNotFound, ProtocolError
 from batchd.producers.follow import RECONNECT_ERRORS, Delivery, Follower
 from batchd.producers.keys import Keys
@@ -56,7 +57,7 @@ class Subscriber(Background):
         self.follower: Follower | None = None
 
     def _connect(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=3.0, socket_connect_timeout=3.0)
+        return redis_client(self.url, socket_timeout=3.0, socket_connect_timeout=3.0)
 
     def _follower(self) -> Follower:
         follower = Follower(

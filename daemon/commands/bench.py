@@ -27,11 +27,22 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--workload",
         default="all",
-        choices=["mixed", "shared-prefix", "online", "queue", "all", "online-sweep", "gateway"],
+        choices=[
+            "mixed",
+            "shared-prefix",
+            "online",
+            "queue",
+            "all",
+            "online-sweep",
+            "speculative",
+            "gateway",
+        ],
         help="which workload to run (default: all: the first four; online-sweep runs the "
         "online arrivals at several prefill bounds, see --sweep-bounds; gateway measures one "
         "batchd gateway process under load, in front of a daemon on --model (default: tiny) "
-        "and a private redis-server, see the --gateway-* options)",
+        "and a private redis-server, see the --gateway-* options; speculative runs batchd "
+        "with speculative decoding off and on, on an extraction workload of real text "
+        "(meaningful with --model smollm2) and on mixed)",
     )
     add_model_option(
         p,

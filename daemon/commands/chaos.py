@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
-from batchd.daemon.chaos.options import command_line_fields, from_command_line, option_name
+from batchd.daemon.chaos.options import (
+    command_line_fields,
+    from_command_line,
+    option_name,
+    problem,
+)
 from batchd.engine.models.registry import PRESET_NAMES
 from batchd.producers.commands.subcommand import add_command
 
@@ -40,7 +45,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run jobs through daemons while killing, pausing and partitioning them and Redis; check every
     job against a fault-free run.
 
-    Starts its own redis-server (AOF, appendfsync everysec) and D daemons, submits seeded jobs
+    Starts its own redis-server (AOF, appendfsync everysec; with --deployment sentinel a
+    master, a replica and three Sentinels) and D daemons, submits seeded jobs
     (client and bare XADD, duplicates, cancels, hostile entries) with subscribers that
     disconnect and resume, injects faults at seeded moments, then checks every job against an
     in-process run of the same requests. Prints one table; exits 1 if anything was lost,
@@ -50,10 +56,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from batchd.daemon.chaos.run import run_chaos
     from batchd.engine.models.registry import ensure_preset
 
-    if min(args.jobs, args.daemons) < 1 or min(args.kills, args.hostile) < 0:
-        print("batchd chaos: --jobs, --daemons >= 1 and fault counts >= 0", file=sys.stderr)
-        return 2
     options = from_command_line(args)
+    if (refused := problem(options)) is not None:
+        print(f"batchd chaos: {refused}", file=sys.stderr)
+        return 2
     engine = dataclasses.replace(
         settings.engine, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=512
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -41,6 +42,16 @@ def register(sub: Any) -> None:
         help="stable consumer name (default: daemon.consumer_name, else host:pid)",
     )
     p.add_argument(
+        "--adapter",
+        action="append",
+        dest="adapters",
+        type=_adapter,
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter directory PATH as NAME (repeatable; added to "
+        "engine.adapters): jobs name it in their adapter field, the gateway as model "
+        "<model>:NAME",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -63,7 +74,18 @@ def apply_args(settings: Settings, args: argparse.Namespace) -> Settings:
         daemon["metrics_port"] = args.metrics_port
     if daemon:
         update["daemon"] = settings.daemon.model_copy(update=daemon)
+    if args.adapters:
+        adapters = {**settings.engine.adapters, **dict(args.adapters)}
+        update["engine"] = dataclasses.replace(settings.engine, adapters=adapters)
     return settings.model_copy(update=update)
+
+
+def _adapter(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` of --adapter."""
+    name, sep, path = value.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH")
+    return name, path
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:

@@ -18,12 +18,14 @@ claimed when the crash lost the XACK too, and when the XACK reached the Redis th
 came back, trimming keeps the acked entry of a job not ended and the sweep enqueues it
 again (batchd.daemon.fleet.housekeeping, batchd.daemon.fleet.sweep).
 
-A *cancelled* end is kept whole (its events and status, read back once when the job
-ends: cancels are few): running the job again would not stop where the cancel did
-(the cancel request may be lost too), and its follower has read that end. So a lost
-cancelled end is written back from memory, by a script that first checks that no
-later pickup took the job and that the stream holds no more than this daemon wrote,
-then picked up, which only repairs the status and acks.
+A *cancelled* end is written only once the cancel request and the tokens before it
+are durable (Job.final_held), so a daemon that runs the job again after Redis lost
+the end finds both and ends it where its follower read it end, cancelled: that holds
+when the daemon that ended it is gone too. While that daemon lives, the end is also
+kept whole here (its events and status, read back once when the job ends: cancels
+are few) and a lost one is written back from memory, by a script that first checks
+that no later pickup took the job and that the stream holds no more than this daemon
+wrote, then picked up, which only repairs the status and acks.
 
 Redis >= 7.2 could confirm durability directly (``WAITAOF 1 0``); this check
 works on every supported server (6.2 on) and costs one pipelined HGET per job.
@@ -39,17 +41,13 @@ from typing import Any
 
 import redis
 
-from batchd.daemon.worker.jobs import Delivery, Job
+from batchd.daemon.worker.jobs import DURABLE_AFTER_S, Delivery, Job
 from batchd.daemon.worker.member import Member
 from batchd.daemon.worker.redis_io import REDIS_DOWN
 from batchd.producers.keys import EVENT_FIELD
 from batchd.producers.schema import FinishReason, JobState
 
 log = logging.getLogger(__name__)
-
-# Two everysec fsync windows and a margin: an end older than this survived any crash
-# that Redis came back from before the check.
-DURABLE_AFTER_S = 3.0
 
 _TERMINAL = {state.value.encode() for state in JobState if state.terminal}
 

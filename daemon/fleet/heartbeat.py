@@ -222,6 +222,7 @@ def daemon_heartbeat(
             "queues": list(settings.queues),
             "version": __version__,
             "max_model_len": max_model_len,
+            "adapters": sorted(settings.engine.adapters),
             "controls": list(CONTROLS),
         },
         stall_timeout_s=opts.stall_timeout_s,

@@ -149,9 +149,9 @@ class Recovery:
         """After Redis lost writes of a job held here: True if its entry is still pending
         for this daemon (pick the job up again). Pending elsewhere, or in the stream and
         not pending (to be delivered again, or already acked), the queue has it: False.
-        Gone from both (Redis lost the entry itself), the job exists only in this
-        process: its entry is added again from memory (False), so that a daemon dying
-        later cannot leave a job nobody will ever resume."""
+        Gone from the stream (Redis lost the entry itself, or its submit), the job exists
+        only in this process: its entry is added again from memory (False), so that a
+        daemon dying later cannot leave a job nobody will ever resume."""
         stream = self.member.keys.queue(delivery.queue)
         entry = delivery.entry_id
         try:
@@ -160,10 +160,10 @@ class Recovery:
             if "NOGROUP" not in str(exc):
                 raise
             pending = []  # the group is gone with the rest (intake creates it again)
-        if pending:
-            return bool(pending[0]["consumer"].decode() == self.member.consumer)
         if self.member.redis.xrange(stream, entry, entry):
-            return False
+            return bool(pending) and pending[0]["consumer"].decode() == self.member.consumer
+        if pending:  # deleted while pending: nothing left to deliver, it holds back trimming
+            self.member.redis.xack(stream, CONSUMER_GROUP, entry)
         fields = [part for pair in delivery.fields.items() for part in pair]
         job = self.member.keys.job(job_id)
         added: Any = self._requeue(keys=[stream, job], args=fields)

@@ -1,13 +1,13 @@
 """The sweep: a job whose status says ``running`` while nothing will ever run it is
 found, and re-queued or ended, exactly once.
 
-How such a job comes about: Redis with AOF ``everysec`` loses the last second in a
-crash, so a daemon can hold a job whose submit (status hash and queue entry) the
-crash took. Its next append writes the job's keys again, ``running``, with no
-queue entry behind them; if that daemon then dies, no pending entry is left to
-claim and no entry to read, and the job's followers would wait forever. An
-operator's ``XDEL``, or an entry acked while its status was not ended, leave the
-same kind of state.
+How such a job comes about: an operator's ``XDEL`` of a running job's entry, or an
+entry acked while its status was not ended, leave a ``running`` status with nothing a
+daemon would read or claim; if its daemon then dies, the job's followers would wait
+forever. (Redis with AOF ``everysec`` can
+also lose a job's submit while a daemon holds the job; that daemon's first append
+then finds the entry gone and adds it again from memory instead of writing the keys
+again with nothing behind them: batchd.daemon.worker.fence.)
 
 Every claim interval each daemon scans a slice of the status hashes (``SCAN`` with
 a cursor kept across calls, so one pass over a large keyspace is spread over many

@@ -31,6 +31,8 @@ COUNTERS = {
     "batchd_output_tokens_total": "Tokens generated.",
     "batchd_prefill_tokens_total": "Prompt tokens computed (prefix-cache hits excluded).",
     "batchd_preemptions_total": "Sequences preempted for lack of KV blocks.",
+    "batchd_speculative_draft_tokens_total": "Tokens proposed by speculative decoding.",
+    "batchd_speculative_accepted_tokens_total": "Proposed tokens verified and kept.",
     "batchd_redis_errors_total": "Redis calls that failed (connection, timeout).",
     "batchd_redis_reconnects_total": "Redis outages that ended.",
 }
@@ -105,6 +107,8 @@ class DaemonMetrics:
         self.histograms["batchd_step_batch_size"].observe(stats.num_seqs)
         self.counters["batchd_prefill_tokens_total"].inc(stats.num_prefill_tokens)
         self.counters["batchd_preemptions_total"].inc(len(stats.preempted))
+        self.counters["batchd_speculative_draft_tokens_total"].inc(stats.num_draft_tokens)
+        self.counters["batchd_speculative_accepted_tokens_total"].inc(stats.num_accepted_tokens)
         for out in step.outputs:
             job_id = out.request_id
             if out.error is None:

@@ -19,6 +19,15 @@ describes.
 
 The epoch is taken at pickup (the stored epoch plus one) and claimed by the
 first append, so each pickup of a job fences off every earlier one.
+
+The first append of a pickup also checks that the job's queue entry is still in the
+stream. Redis with AOF ``everysec`` can lose a job's submit (its status hash and
+entry) after this daemon read it; an append would then write the job's keys again,
+``running``, with nothing behind them that names the request: were this daemon to
+die, no one could run the job again, and the sweep could only end it with an error
+while a follower may have read it end. So nothing is written (``gone``) and the
+daemon adds the entry again from what it holds (batchd.daemon.fleet.recovery): the
+job is picked up from the new entry and runs as it would have.
 """
 
 from __future__ import annotations
@@ -32,14 +41,15 @@ from redis.client import Pipeline
 
 from batchd.daemon.worker.jobs import Job
 from batchd.producers.keys import EVENT_FIELD, Keys, event_id
+from batchd.producers.schema import Event
 
 # The epoch of a rejected entry's job: written only if the job's keys do not exist yet.
 CREATE_ONLY = 0
 
-# KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel.
+# KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel, KEYS[4] queue stream.
 # ARGV[1] owner, ARGV[2] epoch, ARGV[3] events the owner believes stored,
-# ARGV[4] result TTL in seconds, ARGV[5] n, then n (entry id, event JSON) pairs,
-# then status field/value pairs.
+# ARGV[4] result TTL in seconds, ARGV[5] n, ARGV[6] the job's queue entry ('': not
+# checked), then n (entry id, event JSON) pairs, then status field/value pairs.
 # A create-only append sets the keys' TTL itself: if its reply is lost, the retry
 # finds the keys and is answered 'lost', so no later EXPIRE would ever reach them.
 APPEND = f"""
@@ -56,6 +66,10 @@ local mine = tonumber(ARGV[2])
 if held > mine or (held == mine and redis.call('HGET', KEYS[2], 'owner') ~= ARGV[1]) then
   return {{'lost'}}
 end
+if held < mine and not created and ARGV[6] ~= ''
+   and #redis.call('XRANGE', KEYS[4], ARGV[6], ARGV[6]) == 0 then
+  return {{'gone'}}
+end
 if held < mine then redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'owner', ARGV[1]) end
 local function tip()
   local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -69,7 +83,7 @@ if n == 0 or redis.call('XLEN', KEYS[1]) ~= believed then
   if stored ~= believed then return {{'tip', stored}} end
 end
 for i = 0, n - 1 do
-  local r = redis.pcall('XADD', KEYS[1], ARGV[6 + 2 * i], '{EVENT_FIELD}', ARGV[7 + 2 * i])
+  local r = redis.pcall('XADD', KEYS[1], ARGV[7 + 2 * i], '{EVENT_FIELD}', ARGV[8 + 2 * i])
   if type(r) == 'table' and r.err then
     if i == 0 then
       local stored = tip()
@@ -77,11 +91,11 @@ for i = 0, n - 1 do
     end
     return {{'refused', i, r.err}}
   end
-  redis.pcall('PUBLISH', KEYS[3], ARGV[7 + 2 * i])
+  redis.pcall('PUBLISH', KEYS[3], ARGV[8 + 2 * i])
   if created and i == 0 then redis.pcall('EXPIRE', KEYS[1], ARGV[4]) end
 end
-if #ARGV > 5 + 2 * n then
-  local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 6 + 2 * n))
+if #ARGV > 6 + 2 * n then
+  local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 7 + 2 * n))
   if type(r) == 'table' and r.err then return {{'refused', n, r.err}} end
   if created then redis.pcall('EXPIRE', KEYS[2], ARGV[4]) end
 end
@@ -94,6 +108,7 @@ class Outcome(Enum):
     refused = "refused"  # the first ``count`` events are stored; Redis refused the next write
     lost = "lost"  # a later pickup owns the job: nothing was written
     tip = "tip"  # the stream holds ``count`` events, not what the owner believed
+    gone = "gone"  # the job's queue entry is gone (Redis lost its submit): nothing was written
 
 
 @dataclass(frozen=True)
@@ -130,17 +145,32 @@ class Fence:
         """Load the script (once, and again after a NOSCRIPT: Redis restarted or flushed)."""
         client.script_load(APPEND)
 
-    def queue(self, pipe: Pipeline, job: Job) -> None:
+    def queue(
+        self,
+        pipe: Pipeline,
+        job: Job,
+        events: list[Event] | None = None,
+        status: dict[str, str] | None = None,
+    ) -> None:
+        """Queue the append of ``events`` and ``status`` (default: the job's outbox)."""
+        if events is None or status is None:
+            events, status = job.outbox()
         args: list[Any] = [
             self.owner,
             job.epoch,
             job.stored_events,
             self.result_ttl_s,
-            len(job.unpublished),
+            len(events),
+            job.delivery.entry_id if job.from_queue else "",
         ]
-        for event in job.unpublished:
+        for event in events:
             args += [event_id(event.seq), event.encode()]
-        for name, value in job.status.items():
+        for name, value in status.items():
             args += [name, value]
-        keys = [self.keys.events(job.job_id), self.keys.job(job.job_id)]
-        pipe.evalsha(self.script.sha, 3, *keys, self.keys.tokens(job.job_id), *args)
+        keys = [
+            self.keys.events(job.job_id),
+            self.keys.job(job.job_id),
+            self.keys.tokens(job.job_id),
+            self.keys.queue(job.delivery.queue),
+        ]
+        pipe.evalsha(self.script.sha, len(keys), *keys, *args)

@@ -72,8 +72,17 @@ class HeldJobs(Mapping[str, Job]):
         its intake read)."""
         if any(job.alone and not job.ended for job in self._jobs.values()):
             return 0  # a suspect runs alone: nothing more until it has ended
-        held = sum(job.n for job in self._jobs.values() if not (ending_now and job.stored_final))
+        # A held cancelled end (Job.final_held) is out of the engine: it takes no room.
+        held = sum(
+            job.n
+            for job in self._jobs.values()
+            if not ((ending_now and job.stored_final) or (job.ended and job.final_held()))
+        )
         return self.engine.room(held=held, queue=self.queue)
+
+    def holding_ends(self) -> bool:
+        """Some held job's cancelled end waits to be durable (Job.final_held)."""
+        return any(job.final_held() for job in self._jobs.values())
 
     def entries(self) -> set[str]:
         """The queue entries of the held jobs."""
@@ -95,6 +104,7 @@ class HeldJobs(Mapping[str, Job]):
                 )
                 acks.append(job.delivery)
                 continue
+            job.from_queue = True
             self._jobs[job.key] = job
             if not job.ended:
                 self._waiting.append(job)
@@ -181,8 +191,18 @@ class HeldJobs(Mapping[str, Job]):
                 job.stored_events,
             )
             self._drop(job)
+        for job in result.gone:
+            # Redis lost the job's submit after this daemon read it: the entry is added
+            # again from what is held here (Inbox.take_back), and the job runs from it.
+            log.warning(
+                "job %s: its queue entry %s is gone (Redis lost its submit); dropped here, "
+                "enqueued again",
+                job.job_id,
+                job.delivery.entry_id,
+            )
+            self._drop(job)
         self.start_waiting()
-        return list(result.reconcile)
+        return [*result.reconcile, *result.gone]
 
     def stop_running(self) -> list[Job]:
         """Abort every job the engine still runs (the daemon leaves); they are returned to

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -30,6 +31,10 @@ from batchd.producers.schema import (
 )
 
 log = logging.getLogger(__name__)
+
+# Two AOF ``everysec`` fsync windows and a margin: a write Redis acknowledged this long
+# ago survived any crash that Redis came back from (batchd.daemon.fleet.durable).
+DURABLE_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,14 @@ class Job:
     alone_crashes: int = 0
     # Prompt tokens the engine took from its prefix cache (its first output says).
     cached_tokens: int | None = None
+    # Its delivery is a queue entry this daemon read (not one a tool made up): its first
+    # append checks that the entry is still there (batchd.daemon.worker.fence).
+    from_queue: bool = False
+    # Monotonic time before which a cancelled end stays in the outbox (``final_held``).
+    final_not_before: float = 0.0
+    # The events stored lately (2 x DURABLE_AFTER_S), each with when: a crash may still take
+    # them, and a cancelled end is written back whole with them (``refill``).
+    recent: deque[tuple[float, Event]] = field(default_factory=deque, repr=False)
     _key: str | None = field(default=None, repr=False)
 
     @property
@@ -129,13 +142,68 @@ class Job:
     @property
     def urgent(self) -> bool:
         """Its outbox holds what someone waits on: the first event (time to first token)
-        or the final event; or it runs alone (a suspect: its progress must be on record
-        before a crash, so that the crash is not blamed on it). (The ack left once both
-        are stored waits on nobody, unless jobs wait for the room it frees: see
-        ``PublishCadence.due``.)"""
-        return bool(self.unpublished) and (
-            self.alone or self.stored_events == 0 or self.unpublished[-1].final
-        )
+        or the final event (unless held: ``final_held``); or it runs alone (a suspect: its
+        progress must be on record before a crash, so that the crash is not blamed on
+        it). (The ack left once both are stored waits on nobody, unless jobs wait for the
+        room it frees: see ``PublishCadence.due``.)"""
+        events, _ = self.outbox()
+        return bool(events) and (self.alone or self.stored_events == 0 or events[-1].final)
+
+    def final_held(self, now: float | None = None) -> bool:
+        """A cancelled end waits in the outbox until the cancel request and the tokens
+        before the end are durable (:data:`DURABLE_AFTER_S` after the later of the cancel
+        and their storing). Its followers read the end once it is written; were Redis to
+        lose that end afterwards, a run again would find the cancel and the same tokens
+        and end at the same seq, cancelled. Written at once, a crash could take the cancel
+        request with the end, and the run again would go on where a follower read the
+        job end."""
+        return self.final_not_before > (time.monotonic() if now is None else now)
+
+    def outbox(self) -> tuple[list[Event], dict[str, str]]:
+        """What the next flush may send: the whole outbox; while the end is held
+        (``final_held``), the events before the final one and no status field (the
+        terminal fields go with the final event)."""
+        if self.unpublished and self.unpublished[-1].final and self.final_held():
+            return self.unpublished[:-1], {}
+        return list(self.unpublished), dict(self.status)
+
+    def stored(self, count: int) -> None:
+        """The first ``count`` events of the outbox are stored: they leave it (and join
+        ``recent``). A held end waits :data:`DURABLE_AFTER_S` from now, when they are
+        stored."""
+        if not count:
+            return
+        now = time.monotonic()
+        self.recent.extend((now, event) for event in self.unpublished[:count])
+        while self.recent and self.recent[0][0] < now - 2 * DURABLE_AFTER_S:
+            self.recent.popleft()
+        del self.unpublished[:count]
+        self.stored_events += count
+        if self.final_held():
+            self.final_not_before = now + DURABLE_AFTER_S
+
+    def release_end(self) -> None:
+        """Write a cancelled end at once: Redis loses nothing it acknowledged (AOF
+        ``always``), or a crash loses so much that waiting buys nothing (no AOF)."""
+        self.final_not_before = 0.0
+
+    def refill(self, stored: int) -> bool:
+        """Redis holds only ``stored`` of the events this job stored (a crash took the
+        rest) and its cancelled end is still to write: put the lost events back at the
+        head of the outbox, from ``recent``, so the end is written whole where its
+        followers read the tokens (a run again could not: it finds the cancel and ends
+        at once, at the seq Redis kept); the end then waits until they are durable
+        again. False when this is not such a job, or ``recent`` lacks one."""
+        if self.finish_reason is not FinishReason.cancelled or not self.unpublished:
+            return False
+        kept = {event.seq: event for _, event in self.recent}
+        lost = [kept.get(seq) for seq in range(stored, self.stored_events)]
+        if stored >= self.stored_events or any(event is None for event in lost):
+            return False
+        self.unpublished[:0] = [event for event in lost if event is not None]
+        self.stored_events = stored
+        self.final_not_before = time.monotonic() + DURABLE_AFTER_S  # durable again first
+        return True
 
     def set_status(self, **fields: Any) -> None:
         """Queue status-hash fields for the next pipeline (values stored as strings)."""
@@ -198,12 +266,15 @@ class Job:
         ``metadata=False`` leaves the request's metadata out of the final event.
 
         With n > 1 the final event lists every sequence; one that had not ended takes
-        ``reason`` (cancelled, expired, error). The event's text is sequence 0's."""
+        ``reason`` (cancelled, expired, error). The event's text is sequence 0's. A
+        cancelled end is held until what it stands on is durable (``final_held``)."""
         if self.ended:
             return
         self.finish_reason = reason
         self.error = error
         self.timings.finished = time.time()
+        held = reason is FinishReason.cancelled
+        self.final_not_before = time.monotonic() + DURABLE_AFTER_S if held else 0.0
         choices = None
         if self.n > 1:
             choices = [

@@ -160,8 +160,8 @@ class Worker:
         """One engine step; its tokens go to the jobs' outboxes."""
         if not self.gen.has_work():
             self.last_step_s = 0.0
-            # Intake does not block while Redis is away or paused: else the loop would spin.
-            if self.backoff.down or self.controls.paused:
+            # Intake does not block while Redis is away, paused or an end waits: no spin.
+            if self.backoff.down or self.controls.paused or self.held.holding_ends():
                 time.sleep(min(self.backoff.delay(), 0.1) if self.backoff.down else 0.1)
             return
         began = time.monotonic()

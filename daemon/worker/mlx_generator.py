@@ -68,6 +68,7 @@ class MLXGenerator:
                 priority=job.request.priority,
                 resume_output_token_ids=job.emitted,
                 sample=job.sample,
+                adapter=job.request.adapter,
             )
         except InvalidRequest as exc:  # only the request's fault rejects it; bugs propagate
             raise JobRejected(job.job_id, str(exc)) from exc

@@ -10,7 +10,9 @@ No reply ever drops work: a refused write (OOM, READONLY, NOPERM, ...) keeps
 the unsent events and status in the outbox, in order, for the next flush, and
 is reported so that the worker backs off. Only a job a later pickup owns
 (``lost``) or one whose stream does not end where the job believes
-(``reconcile``: Redis lost writes, or another daemon wrote) leaves the outbox.
+(``reconcile``: Redis lost writes, or another daemon wrote) or whose queue entry
+Redis lost (``gone``) leaves the outbox. A held cancelled end (Job.final_held) is not
+sent yet: only the events before it.
 
 A flush comes in three parts so that its round trip can overlap the next
 engine step: :meth:`Publisher.prepare` builds the pipeline from the outboxes
@@ -71,6 +73,7 @@ class FlushResult:
     finished: list[Job] = field(default_factory=list)
     lost: list[Job] = field(default_factory=list)
     reconcile: list[Job] = field(default_factory=list)
+    gone: list[Job] = field(default_factory=list)  # their queue entry is gone (fence)
     refused: str | None = None
     published_events: int = 0
 
@@ -135,6 +138,10 @@ class Publisher:
         self._dead_letter = client.register_script(DEAD_LETTER)
         self.fence = Fence(client, keys, owner=owner, result_ttl_s=result_ttl_s)
         self._loaded = False
+        # Cancelled ends wait until durable (Job.final_held): where a crash loses only the
+        # last second (AOF ``everysec``). Decided when the script is loaded (at start, and
+        # again after Redis restarted).
+        self.hold_ends = True
 
     def flush(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> FlushResult:
         """Send every outbox of ``jobs`` and the ``extras`` in one round trip; what Redis
@@ -147,7 +154,9 @@ class Publisher:
     def prepare(self, jobs: Iterable[Job], extras: Sequence[Piggyback] = ()) -> Flush | FlushResult:
         """The pipeline of a flush; or the result of one that sends nothing (nothing to
         write, or Redis refused the append script)."""
-        writing = [job for job in jobs if job.unpublished or job.status]
+        jobs = list(jobs)
+        outboxes = [(job, *job.outbox()) for job in jobs]
+        writing = [(job, events, status) for job, events, status in outboxes if events or status]
         finishing = [job for job in jobs if job.stored_final]
         if not writing and not finishing and not extras:
             return FlushResult()
@@ -157,15 +166,20 @@ class Publisher:
             except redis.ResponseError as exc:  # e.g. NOPERM: keep everything, back off
                 return FlushResult(refused=f"loading the append script: {exc}")
             self._loaded = True
+            self.hold_ends = _loses_acknowledged(self.redis)
+        if not self.hold_ends:
+            for job in jobs:
+                job.release_end()
         pipe = self.redis.pipeline(transaction=False)
         sent = []
-        for job in writing:
+        for job, events, status in writing:
             try:
-                self.fence.queue(pipe, job)
+                self.fence.queue(pipe, job, events, status)
             except Exception as exc:  # e.g. an event the encoder refuses: this job alone
                 job.fail("encoding its events", exc)
-                self.fence.queue(pipe, job)
-            sent.append(Sent(job, list(job.unpublished), dict(job.status)))
+                events, status = job.outbox()
+                self.fence.queue(pipe, job, events, status)
+            sent.append(Sent(job, events, status))
         sizes = [(job, self._queue_finish(pipe, job)) for job in finishing]
         for extra in extras:
             extra.queue(pipe)
@@ -217,9 +231,11 @@ class Publisher:
             else:
                 out.lost.append(job)
             return
+        if reply.outcome is Outcome.gone:
+            out.gone.append(job)
+            return
         if reply.outcome is Outcome.tip:
-            if not self._confirm_resent(sent, reply.count):
-                out.reconcile.append(job)
+            self._settle_tip(sent, reply.count, out)
             return
         if not self._confirm(sent, reply.count):
             out.reconcile.append(job)
@@ -235,6 +251,23 @@ class Publisher:
             if reply.noscript:
                 self._loaded = False
             out.refused = f"job {job.job_id}: {reply.error}"
+
+    def _settle_tip(self, sent: Sent, stored: int, out: FlushResult) -> None:
+        """The stream holds ``stored`` events, not what the job believed: this flush's own
+        (confirmed), or fewer before a cancelled end (written back: Job.refill); else the
+        job is picked up again from what the stream holds."""
+        job = sent.job
+        if self._confirm_resent(sent, stored):
+            return
+        lost = job.stored_events - stored
+        if job.refill(stored):
+            log.warning(
+                "job %s: Redis lost %d event(s) before its cancelled end; written back",
+                job.job_id,
+                lost,
+            )
+        else:
+            out.reconcile.append(job)
 
     def _settle_finish(self, job: Job, replies: list[Any], out: FlushResult) -> None:
         errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
@@ -264,8 +297,7 @@ class Publisher:
             or any(a is not b for a, b in zip(job.unpublished, stored, strict=False))
         ):
             return False
-        del job.unpublished[:count]
-        job.stored_events += count
+        job.stored(count)
         return True
 
     def _confirm_resent(self, sent: Sent, stored: int) -> bool:
@@ -285,6 +317,19 @@ class Publisher:
         ]:
             return False
         return self._confirm(sent, extra)
+
+
+def _loses_acknowledged(client: redis.Redis) -> bool:
+    """Whether a crash of this Redis loses a recent second it acknowledged (AOF
+    ``everysec`` or ``no``): then a cancelled end waits until durable. Not with
+    ``appendfsync always`` (nothing is lost) nor without AOF (everything since the last
+    snapshot is: waiting a second saves nothing). Where CONFIG is refused (managed
+    Redis, ACLs), assume it does."""
+    try:
+        config: Any = client.config_get("append*")
+    except redis.ResponseError:
+        return True
+    return bool(config.get("appendonly") == "yes" and config.get("appendfsync") != "always")
 
 
 def _payload_excerpt(job: Job) -> bytes:

@@ -18,13 +18,15 @@ window has passed and marks them RELEASED in its table: they are read as block 0
 and masked. A model with any full-attention layer keeps every position's K/V in
 every layer (one pool shape for all layers), so its sliding layers save nothing.
 
-The specialised runner (batchd.engine.forward.model_runner) stays the path of
-the families it covers; the loader chooses (ModelSpec.generic).
+LoRA adapters apply per row of each call, in the model's adapted layers
+(batchd.engine.adapters). The specialised runner (batchd.engine.forward.model_runner)
+stays the path of the families it covers; the loader chooses (ModelSpec.generic).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +36,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from batchd.engine.adapters.resident import AdapterCache, chunk_adapter
 from batchd.engine.forward.kv_pool import KVPool
-from batchd.engine.forward.model_runner import ChunkInput
+from batchd.engine.forward.kv_quant import take_blocks
+from batchd.engine.forward.model_runner import ChunkInput, num_logits
 from batchd.engine.models.loader import ModelSpec
 
 
@@ -48,6 +52,7 @@ class _Call:
     positions: np.ndarray  # [rows, length] position of every token
     slots: mx.array  # [rows * length] pool slot of every token, row-major
     tables: mx.array  # [rows, width] block tables, padded with block 0
+    adapters: tuple[str | None, ...]  # each row's LoRA adapter (None: the base model)
 
 
 class PagedLayerCache:
@@ -69,12 +74,11 @@ class PagedLayerCache:
         pool, call = self._pool, self._call
         k_new = keys.transpose(1, 0, 2, 3).reshape(kv_heads, rows * length, dim)
         v_new = values.transpose(1, 0, 2, 3).reshape(kv_heads, rows * length, dim)
-        pool.k[self._layer][:, call.slots] = k_new.astype(pool.k[self._layer].dtype)
-        pool.v[self._layer][:, call.slots] = v_new.astype(pool.v[self._layer].dtype)
+        pool.write(self._layer, call.slots, k_new, v_new)
         k_blocks, v_blocks = pool.blocked(self._layer)
         width = call.tables.shape[1]
-        k = k_blocks[:, call.tables].reshape(kv_heads, rows, width * pool.block_size, dim)
-        v = v_blocks[:, call.tables].reshape(kv_heads, rows, width * pool.block_size, dim)
+        k = take_blocks(k_blocks, call.tables).reshape(kv_heads, rows, width * pool.block_size, dim)
+        v = take_blocks(v_blocks, call.tables).reshape(kv_heads, rows, width * pool.block_size, dim)
         return k.transpose(1, 0, 2, 3).astype(keys.dtype), v.transpose(1, 0, 2, 3).astype(
             values.dtype
         )
@@ -111,13 +115,15 @@ class GenericRunner:
         # Decodes of several sequences in one call, unless the model's attention cannot
         # broadcast a per-row mask (gemma2 folds query heads into a 5-D score): one call each.
         self.batched_decodes = _takes_row_masks(model, spec)
+        # LoRA adapters of the rows (set by the engine; docs/adapters.md).
+        self.adapters: AdapterCache | None = None
 
     def computed_rows(self, n: int) -> int:
         """Rows a step of ``n`` tokens computes: ``n``."""
         return n
 
     def execute(self, chunks: Sequence[ChunkInput]) -> mx.array | None:
-        """Logits ``[num_sampling_chunks, vocab]`` in chunk order (lazy), or None."""
+        """Logits ``[num_sampling_rows, vocab]`` in chunk order (lazy), or None."""
         return self.execute_scored(chunks, {})[0]
 
     def execute_scored(
@@ -140,14 +146,15 @@ class GenericRunner:
         for i in prefills:
             # A prefill chunk whose prompt rows are not scored needs its last row's logits
             # at most: the output head runs on that row alone.
-            last = i not in targets
+            last = i not in targets and num_logits(chunks[i]) == 1
             rows[i] = self._run(self._call([chunks[i]], batched=False), last_row=last)[0]
         scores = {i: _score(rows[i], t) for i, t in targets.items()}
-        sampled = [rows[i][-1] for i, c in enumerate(chunks) if c.samples]
+        # A verify chunk (speculative decoding) gives its last num_logits rows.
+        sampled = [rows[i][-num_logits(c) :] for i, c in enumerate(chunks) if c.samples]
         if not sampled:
-            mx.eval(self.pool.k, self.pool.v, *scores.values())
+            mx.eval(self.pool.arrays(), *scores.values())
             return None, scores
-        return mx.stack(sampled), scores
+        return mx.concatenate(sampled, axis=0), scores
 
     def _call(self, chunks: Sequence[ChunkInput], *, batched: bool) -> _Call:
         bs = self.pool.block_size
@@ -171,9 +178,16 @@ class GenericRunner:
             positions=positions,
             slots=mx.array(slots),
             tables=mx.array(tables),
+            adapters=tuple(chunk_adapter(c) for c in chunks),
         )
 
     def _run(self, call: _Call, *, last_row: bool = False) -> mx.array:
+        spans = [(a, row, 1) for row, a in enumerate(call.adapters)]
+        serving = self.adapters.serving(spans) if self.adapters is not None else None
+        with serving or nullcontext():
+            return self._run_model(call, last_row=last_row)
+
+    def _run_model(self, call: _Call, *, last_row: bool) -> mx.array:
         caches = [PagedLayerCache(self.pool, i, call) for i in range(self.spec.num_layers)]
         inner = getattr(self.model, "model", None)
         if not last_row or not isinstance(inner, nn.Module):

@@ -29,6 +29,8 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 
 from batchd.engine.config import EngineConfig
+from batchd.engine.forward import kv_quant
+from batchd.engine.forward.kv_quant import Blocks, KVQuant, QuantizedBlocks
 from batchd.engine.models.loader import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -39,28 +41,90 @@ DEFAULT_TOKENS_PER_SEQ = EngineConfig.kv_tokens_per_seq
 
 
 class KVPool:
-    """Zero-initialised K/V storage for every layer (zeros keep masked reads finite)."""
+    """Zero-initialised K/V storage for every layer (zeros keep masked reads finite).
 
-    def __init__(self, spec: ModelSpec, *, num_blocks: int, block_size: int) -> None:
+    With ``quant`` the storage is quantized (batchd.engine.forward.kv_quant): ``k`` and
+    ``v`` are then empty and ``qk``/``qv`` hold each layer's codes, scales and biases.
+    Writers go through :meth:`write` and readers through :meth:`blocked`, which serve
+    both kinds; only the C kernels read ``k``/``v`` directly (float pools only).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        quant: KVQuant | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size} must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
+        self.dtype = spec.dtype
+        self.quant = quant
         shape = (spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-        self.k = [mx.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
-        self.v = [mx.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
-        mx.eval(self.k, self.v)
+        self.k: list[mx.array] = []
+        self.v: list[mx.array] = []
+        self.qk: list[kv_quant.Quantized] = []
+        self.qv: list[kv_quant.Quantized] = []
+        if quant is None:
+            self.k = [mx.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
+            self.v = [mx.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
+        else:
+            self.qk = [kv_quant.zeros(quant, shape, spec.dtype) for _ in range(spec.num_layers)]
+            self.qv = [kv_quant.zeros(quant, shape, spec.dtype) for _ in range(spec.num_layers)]
+        mx.eval(self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        """Every array of the pool: evaluate them to run the writes still lazy."""
+        quantized = [a for stored in (*self.qk, *self.qv) for a in stored]
+        return [*self.k, *self.v, *quantized]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        return sum(a.nbytes for a in self.arrays())
 
-    def blocked(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Layer ``layer``'s K and V viewed as ``[kv_heads, num_blocks, block_size, D]``."""
-        shape = (self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
-        return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
+    def write(self, layer: int, slots: mx.array, k_new: mx.array, v_new: mx.array) -> None:
+        """Store K/V ``[kv_heads, n, head_dim]`` of ``n`` tokens at ``slots`` (in place,
+        lazily), cast to the pool's dtype and quantized when the pool is."""
+        if k_new.dtype != self.dtype:
+            k_new, v_new = k_new.astype(self.dtype), v_new.astype(self.dtype)
+        if self.quant is None:
+            self.k[layer][:, slots] = k_new
+            self.v[layer][:, slots] = v_new
+            return
+        for stored, new in ((self.qk[layer], k_new), (self.qv[layer], v_new)):
+            for array, part in zip(stored, kv_quant.quantize(self.quant, new), strict=True):
+                array[:, slots] = part
+
+    def blocked(self, layer: int) -> tuple[Blocks, Blocks]:
+        """Layer ``layer``'s K and V as blocks ``[kv_heads, num_blocks, block_size, *]``:
+        float arrays, or QuantizedBlocks (read with kv_quant.take_blocks)."""
+        blocks = (self.num_kv_heads, self.num_blocks, self.block_size)
+        if self.quant is None:
+            shape = (*blocks, self.head_dim)
+            return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
+        quant = self.quant
+
+        def view(stored: kv_quant.Quantized) -> QuantizedBlocks:
+            codes, scales, biases = (a.reshape(*blocks, -1) for a in stored)
+            return QuantizedBlocks(quant, (codes, scales, biases))
+
+        return view(self.qk[layer]), view(self.qv[layer])
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def kv_bytes_per_token(spec: ModelSpec, quant: KVQuant | None = None) -> int:
+    """Bytes of K and V for one token across all layers, as the pool stores them."""
+    if quant is None:
+        return spec.kv_bytes_per_token
+    return 2 * spec.num_layers * spec.num_kv_heads * quant.row_bytes(spec.head_dim, spec.dtype)
 
 
 def available_memory_bytes() -> int:
@@ -97,6 +161,7 @@ class PoolPlan:
     block_bytes: int
     bound: PoolBound
     why: str
+    storage: str = ""  # how a token's K/V are stored: the dtype, or the quantization
 
     @property
     def tokens(self) -> int:
@@ -123,18 +188,24 @@ def plan_pool(
     memory_fraction: float,
     num_blocks: int | None = None,
     available_bytes: int | None = None,
+    quant: KVQuant | None = None,
 ) -> PoolPlan:
     """The pool's size by the rule EngineConfig.num_kv_blocks documents, and what bounded it.
 
     ``num_blocks`` given wins as is; otherwise ``available_bytes`` (default: asked of the
-    system, and only then) caps the size. Raises ValueError for a bad memory_fraction.
+    system, and only then) caps the size, at the bytes per token of the pool's storage
+    (``quant``: quantized, so more blocks fit). Raises ValueError for a bad
+    memory_fraction.
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction={memory_fraction} must be in (0, 1]")
-    block_bytes = spec.kv_bytes_per_token * block_size
+    if quant is not None:
+        quant.check(spec.head_dim)
+    block_bytes = kv_bytes_per_token(spec, quant) * block_size
+    storage = quant.describe() if quant is not None else f"{dtype_name(spec.dtype)} KV"
 
     def plan(blocks: int, bound: PoolBound, why: str) -> PoolPlan:
-        return PoolPlan(blocks, block_size, block_bytes, bound, why)
+        return PoolPlan(blocks, block_size, block_bytes, bound, why, storage)
 
     if num_blocks is not None:
         return plan(num_blocks, PoolBound.SET, f"num_kv_blocks = {num_blocks}")
@@ -172,6 +243,7 @@ def size_pool(
     tokens_per_seq: int = DEFAULT_TOKENS_PER_SEQ,
     num_blocks: int | None = None,
     available_bytes: int | None = None,
+    quant: KVQuant | None = None,
 ) -> int:
     """Blocks for the pool (see plan_pool), logged with what bounded them (call it once,
     at start), with a warning when one sequence at ``max_model_len`` would not fit."""
@@ -184,13 +256,16 @@ def size_pool(
         memory_fraction=memory_fraction,
         num_blocks=num_blocks,
         available_bytes=available_bytes,
+        quant=quant,
     )
     log.info(
-        "KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; from %s",
+        "KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%s, %d bytes a token); from %s",
         plan.blocks,
         plan.block_size,
         plan.tokens,
         plan.mib,
+        plan.storage,
+        plan.block_bytes // plan.block_size,
         plan.why,
         extra={
             "event": "kv_pool",
@@ -198,6 +273,7 @@ def size_pool(
             "tokens": plan.tokens,
             "mib": round(plan.mib, 1),
             "bound": plan.bound.value,
+            "kv_bits": quant.bits if quant is not None else None,
         },
     )
     if plan.blocks < sequence_blocks(max_model_len, block_size):

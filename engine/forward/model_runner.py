@@ -15,8 +15,10 @@ writes; attention of every row, decode and prefill, reading K/V through the
 block tables in place): no MLX evaluation inside a layer. With
 BATCHD_NATIVE_PRODUCTS=0, or a model the packing does not cover, the MLX
 forward below runs with the C attention and SwiGLU, evaluating the layer's
-graph before each call (once or twice a layer). Without the
-kernels (no compiler, other dtypes, Metal), the MLX path runs alone.
+graph before each call (once or twice a layer). Without the kernels (no compiler,
+other dtypes, Metal, a quantized KV pool), the MLX path runs alone. Rows with a
+LoRA adapter get its delta from the model's adapted layers on the MLX path, and
+beside the packed products on the C path (batchd.engine.adapters, docs/adapters.md).
 
 On the MLX path on a multi-core CPU, decode attention runs on several MLX streams at once
 (one thread each): decode groups are cut into lanes (batchd.engine.forward.paged_attention).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +46,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from batchd.engine.adapters.packed import MLP_IN, PackedDeltas
+from batchd.engine.adapters.resident import AdapterCache, chunk_adapter
 from batchd.engine.forward import fast_math, native
 from batchd.engine.forward.kv_pool import KVPool
 from batchd.engine.forward.packed_model import pack_model
@@ -92,8 +97,9 @@ class ChunkInput(Protocol):
 
     ``token_ids`` sit at positions ``start .. start + len - 1``; ``slots`` are
     their pool slots; ``block_table`` covers at least every position up to
-    the last one; ``samples`` asks for logits at the last position. The
-    scheduler's ScheduledChunk is one; tests build their own.
+    the last one; ``samples`` asks for logits at the last position (at the last
+    ``num_logits`` positions where a chunk has that attribute: a speculative verify
+    chunk). The scheduler's ScheduledChunk is one; tests build their own.
     """
 
     @property
@@ -152,8 +158,13 @@ class ModelRunner:
         self._streams: dict[int, list[mx.Stream]] = {}
         self._tied_head = lay_out_for_cpu(model) if on_cpu else None
         self._row_multiple = ROW_MULTIPLE if on_cpu else 1
+        # The C kernels read a float pool in place; a quantized one runs on MLX's path.
         self.native_attention = (
-            on_cpu and self._fast_math and spec.dtype == mx.float32 and native.available()
+            on_cpu
+            and self._fast_math
+            and spec.dtype == mx.float32
+            and pool.quant is None
+            and native.available()
         )
         self._threads = cpu_lanes()
         self._packed = (
@@ -166,6 +177,8 @@ class ModelRunner:
         # Asked once: the scheduler calls computed_rows every step.
         self._tile_rows = native.tile_rows() if self._packed is not None else 0
         fast_math.tune_malloc()
+        # LoRA adapters of the rows (set by the engine; docs/adapters.md).
+        self.adapters: AdapterCache | None = None
 
     def computed_rows(self, n: int) -> int:
         """Rows the linear layers compute for a step of ``n`` tokens: ``n`` rounded up to
@@ -188,7 +201,8 @@ class ModelRunner:
         return streams
 
     def execute(self, chunks: Sequence[ChunkInput]) -> Logits | None:
-        """Run one forward; return logits ``[num_sampling_chunks, vocab]`` in chunk order.
+        """Run one forward; return logits ``[num_sampling_rows, vocab]`` in chunk order
+        (one row per sampling chunk, ``num_logits`` rows for a verify chunk).
 
         On the MLX path the result is lazy and the pool's arrays are updated in place
         (lazily too: evaluate the logits, or ``pool.k``/``pool.v`` when nothing samples);
@@ -206,12 +220,27 @@ class ModelRunner:
         if not chunks:
             return None, {}
         plan = self._plan(chunks)
-        hidden = self._forward(plan) if self._packed is None else self._packed_forward(plan)
+        serving = self._adapters_serving(chunks, plan)
+        if serving is None:
+            hidden = self._forward(plan) if self._packed is None else self._packed_forward(plan)
+        else:
+            # The model's adapted layers read the rows' adapters from the board.
+            with serving:
+                hidden = self._forward(plan) if self._packed is None else self._packed_forward(plan)
         scores = {i: self._score(hidden, plan.first_rows[i], t) for i, t in targets.items()}
         if plan.sample_rows is None:
-            mx.eval(self.pool.k, self.pool.v, *scores.values())
+            mx.eval(self.pool.arrays(), *scores.values())
             return None, scores
         return self._sampled_logits(hidden, plan), scores
+
+    def _adapters_serving(
+        self, chunks: Sequence[ChunkInput], plan: _Plan
+    ) -> AbstractContextManager[None] | None:
+        if self.adapters is None:
+            return None
+        first = plan.first_rows
+        spans = [(chunk_adapter(c), first[i], len(c.token_ids)) for i, c in enumerate(chunks)]
+        return self.adapters.serving(spans)
 
     def _score(self, hidden: Logits, first_row: int, targets: Sequence[int]) -> mx.array:
         logits = mx.array(self._logits(hidden[first_row : first_row + len(targets)]))
@@ -225,7 +254,8 @@ class ModelRunner:
         logits = self._logits(_take(hidden, plan.sample_rows))
         if plan.sample_order != sorted(plan.sample_order):
             # Sampled rows come out in packed order; hand them back in chunk order.
-            logits = _take(logits, np.argsort(plan.sample_order).astype(np.int32))
+            order = np.argsort(plan.sample_order, kind="stable").astype(np.int32)
+            logits = _take(logits, order)
         elif logits.shape[0] > len(plan.sample_order):
             logits = logits[: len(plan.sample_order)]  # drop the padding rows
         return logits
@@ -251,8 +281,10 @@ class ModelRunner:
             positions.extend(range(c.start, c.start + n))
             slots.extend(c.slots)
             if c.samples:
-                sample_rows.append(len(tokens) - 1)
-                sample_order.append(i)
+                # A verify chunk (speculative decoding) needs logits at each of its rows.
+                m = num_logits(c)
+                sample_rows.extend(range(len(tokens) - m, len(tokens)))
+                sample_order.extend([i] * m)
         if self.native_attention:
             kernel_rows = self._kernel_rows(chunks, order, positions)
             groups, prefill_chunks = [], []
@@ -351,8 +383,7 @@ class ModelRunner:
             k = attn.rope(k[:, :, None, :], offset=plan.positions)[:, :, 0, :]
             k_new = k.transpose(1, 0, 2)
             v_new = v.transpose(1, 0, 2)
-            self.pool.k[index][:, plan.slots] = k_new[:, :real]
-            self.pool.v[index][:, plan.slots] = v_new[:, :real]
+            self.pool.write(index, plan.slots, k_new[:, :real], v_new[:, :real])
             k_blocks, v_blocks = self.pool.blocked(index)
             parts = []
             if plan.kernel_rows is not None:
@@ -388,9 +419,19 @@ class ModelRunner:
         """The forward on the packed weights: C kernels on NumPy arrays for every part of
         a layer (norms, products, RoPE and the pool's writes, attention), MLX for the
         embedding and the step's RoPE table only. No padding rows (``_row_multiple``
-        is 1)."""
+        is 1). Rows with LoRA adapters get their deltas beside the products
+        (batchd.engine.adapters.packed)."""
         packed = self._packed
         assert packed is not None and plan.kernel_rows is not None
+        groups = self.adapters.board.groups if self.adapters is not None else ()
+        spec = self.spec
+        deltas = (
+            PackedDeltas(
+                groups, heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim
+            )
+            if groups
+            else None
+        )
         x = np.array(self.model.model.embed_tokens(plan.tokens), dtype=np.float32)
         table = self._rope_table(plan.positions, traditional=packed.rope_traditional)
         slots = np.array(plan.slots)
@@ -400,8 +441,11 @@ class ModelRunner:
         for index, weights in enumerate(packed.layers):
             k_pool, v_pool = np.asarray(self.pool.k[index]), np.asarray(self.pool.v[index])
             normed = native.rms_norm(x, *weights.input_norm)
+            qkv = native.product(normed, weights.qkv, threads=threads)
+            if deltas is not None:
+                deltas.add_qkv(qkv, normed, index)
             queries = native.rope_store(
-                native.product(normed, weights.qkv, threads=threads),
+                qkv,
                 table,
                 heads=heads,
                 kv_heads=kv_heads,
@@ -421,11 +465,29 @@ class ModelRunner:
                 scale=self._scale,
                 threads=threads,
             ).reshape(len(lengths), -1)
-            x = x + native.product(attended, weights.o, threads=threads)
+            out = native.product(attended, weights.o, threads=threads)
+            if deltas is not None:
+                deltas.add(out, attended, index, "self_attn.o_proj")
+            x = x + out
             normed = native.rms_norm(x, *weights.post_norm)
-            act = native.product(normed, weights.gate_up, threads=threads)
-            x = x + native.product(act, weights.down, threads=threads)
+            if deltas is not None and deltas.adapts(index, MLP_IN):
+                act = self._adapted_swiglu(index, normed)
+            else:
+                act = native.product(normed, weights.gate_up, threads=threads)
+            out = native.product(act, weights.down, threads=threads)
+            if deltas is not None:
+                deltas.add(out, act, index, "mlp.down_proj")
+            x = x + out
         return x
+
+    def _adapted_swiglu(self, layer: int, normed: np.ndarray) -> np.ndarray:
+        """SwiGLU of a layer whose gate or up projection a row's adapter covers: MLX's
+        products through the adapted layers (the packed one applies SiLU inside)."""
+        mlp = self._layers[layer].mlp
+        h = mx.array(normed)
+        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        mx.eval(gate, up)
+        return native.swiglu(np.asarray(gate), np.asarray(up))
 
     def _rope_table(self, positions: mx.array, *, traditional: bool) -> np.ndarray:
         """Each row's RoPE rotation [rows, head_dim], from the model's own rope module:
@@ -490,6 +552,11 @@ class ModelRunner:
         else:
             logits = self.model.lm_head(normed)
         return logits
+
+
+def num_logits(chunk: ChunkInput) -> int:
+    """Rows of logits a sampling chunk needs: its ``num_logits`` if it has one, else 1."""
+    return int(getattr(chunk, "num_logits", 1))
 
 
 def _take(rows: Logits, index: np.ndarray) -> Logits:

@@ -9,7 +9,9 @@ group gathers its sequences' blocks into a contiguous
 heads / kv_heads, D]``, so attention is one batched product per group with a
 padding mask. A prefill chunk attends to its cached prefix plus itself,
 causally; a chunk that starts at position 0 reads its own fresh K/V and needs
-no gather at all.
+no gather at all. With a quantized pool (batchd.engine.forward.kv_quant) the gathered
+blocks are dequantized, and a first chunk's fresh K/V go through the same round trip,
+so every token attends to K/V exactly as the pool holds them.
 
 On CPU the products and a fast softmax (batchd.engine.forward.fast_math) are written out
 here, since MLX's CPU SDPA spends most of its time in a slow ``exp``;
@@ -33,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchd.engine.forward import fast_math
+from batchd.engine.forward.kv_quant import Blocks, QuantizedBlocks, take_blocks
 
 # A decode group is closed when its next (shorter) sequence would waste more
 # than this fraction of the group's padded key length.
@@ -165,14 +168,15 @@ def _attend(
 
 
 def decode_attention(
-    q: mx.array, k_blocks: mx.array, v_blocks: mx.array, group: DecodeGroup, *, scale: float
+    q: mx.array, k_blocks: Blocks, v_blocks: Blocks, group: DecodeGroup, *, scale: float
 ) -> mx.array:
     """q: [B, heads, D] -> [B, heads * D], reading K/V through the block tables."""
     batch, heads, dim = q.shape
-    kv_heads = k_blocks.shape[0]
+    keys = take_blocks(k_blocks, group.block_tables)
+    kv_heads = keys.shape[0]
     group_size = heads // kv_heads
-    keys = k_blocks[:, group.block_tables].reshape(kv_heads * batch, -1, dim)
-    values = v_blocks[:, group.block_tables].reshape(kv_heads * batch, -1, dim)
+    keys = keys.reshape(kv_heads * batch, -1, dim)
+    values = take_blocks(v_blocks, group.block_tables).reshape(kv_heads * batch, -1, dim)
     queries = q.reshape(batch, kv_heads, group_size, dim).transpose(1, 0, 2, 3)
     queries = queries.reshape(kv_heads * batch, group_size, dim)
     if fast_math.enabled():
@@ -193,8 +197,8 @@ def prefill_attention(
     q: mx.array,
     k_new: mx.array,
     v_new: mx.array,
-    k_blocks: mx.array,
-    v_blocks: mx.array,
+    k_blocks: Blocks,
+    v_blocks: Blocks,
     chunk: PrefillChunk,
     *,
     scale: float,
@@ -202,11 +206,13 @@ def prefill_attention(
     """q: [n, heads, D]; k_new/v_new: [kv_heads, n, D] -> [n, heads * D]."""
     n, heads, dim = q.shape
     kv_heads = k_new.shape[0]
-    if chunk.blocks is None:
+    if chunk.blocks is None and isinstance(k_blocks, QuantizedBlocks):
+        keys, values = k_blocks.round_trip(k_new), k_blocks.round_trip(v_new)
+    elif chunk.blocks is None:
         keys, values = k_new, v_new
     else:
-        keys = k_blocks[:, chunk.blocks].reshape(kv_heads, -1, dim)
-        values = v_blocks[:, chunk.blocks].reshape(kv_heads, -1, dim)
+        keys = take_blocks(k_blocks, chunk.blocks).reshape(kv_heads, -1, dim)
+        values = take_blocks(v_blocks, chunk.blocks).reshape(kv_heads, -1, dim)
     if not fast_math.enabled():
         out = mx.fast.scaled_dot_product_attention(
             q.transpose(1, 0, 2)[None],

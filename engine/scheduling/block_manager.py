@@ -7,9 +7,11 @@ which writes token `pos` of a sequence at slot
 Prefix cache: a full, computed block is registered under the chain hash
 `h_i = blake2b(h_{i-1}, tokens of block i)`, so a hit on block i implies the
 whole prefix up to block i matches (the block also keeps its tokens, checked on
-every hit). A partially filled block is never shared. A freed block that holds a
-hash stays cached (its K/V intact) and is evicted least-recently-freed first,
-only when a fresh block is needed and no never-cached block is free.
+every hit). The chain starts from the sequence's LoRA adapter (`root_hash`): the same
+tokens under another adapter are other K/V. A partially filled block is never
+shared. A freed block that holds a hash stays cached (its K/V intact) and is
+evicted least-recently-freed first, only when a fresh block is needed and no
+never-cached block is free.
 
 Sliding window: when every layer of the model attends only to the last `window`
 positions, a block wholly before the window of a sequence's next token is never
@@ -37,6 +39,14 @@ def chain_hash(parent: int, tokens: list[int]) -> int:
     digest = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
     digest.update(array("q", tokens).tobytes())
     return int.from_bytes(digest.digest(), "little")
+
+
+def root_hash(adapter: str | None) -> int:
+    """The parent of a sequence's first block: its adapter's own root, so blocks computed
+    with different adapters (or none) never match."""
+    if adapter is None:
+        return _ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=16).digest(), "little")
 
 
 @dataclass(slots=True)
@@ -162,7 +172,7 @@ class BlockManager:
     def _block_hash(self, seq: Sequence, index: int) -> int:
         hashes = seq.block_hashes
         while len(hashes) <= index:
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(seq.adapter)
             hashes.append(chain_hash(parent, self._tokens(seq, len(hashes))))
         return hashes[index]
 
@@ -202,6 +212,16 @@ class BlockManager:
             if block_id != RELEASED:
                 self._unref(block_id)
         seq.block_table = []
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s blocks past those covering positions [0, num_tokens) (a
+        rolled-back speculative tail: never cached, since only computed blocks are)."""
+        keep = self.blocks_for(num_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            block_id = table.pop()
+            if block_id != RELEASED:
+                self._unref(block_id)
 
     def release_passed(self, seq: Sequence) -> None:
         """Give back `seq`'s blocks wholly before the window of its next token (position

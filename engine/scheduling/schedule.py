@@ -19,7 +19,10 @@ class ScheduledChunk:
 
     `slots[k]` is where the K/V of position start + k goes; attention reads the
     earlier positions through `seq.block_table`. When `samples` is true the
-    chunk ends at the sequence's last token and its logits pick the next token.
+    chunk reaches the sequence's last token and its logits pick the next token.
+    A verify chunk (speculative decoding) is a decode followed by `draft`, tokens
+    proposed to come next and not yet in the sequence: logits are taken at each
+    of its `num_logits` positions (batchd.engine.speculative).
     """
 
     seq: Sequence
@@ -27,15 +30,33 @@ class ScheduledChunk:
     num_tokens: int
     slots: list[int]
     samples: bool
+    draft: tuple[int, ...] = ()
 
     @cached_property
     def token_ids(self) -> list[int]:
         """The input tokens of this chunk."""
+        if self.draft:
+            return self.seq.tokens(self.start, self.start + 1) + list(self.draft)
         return self.seq.tokens(self.start, self.start + self.num_tokens)
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the step needs: 1 + the draft's length when sampling."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    @property
+    def is_verify(self) -> bool:
+        """A decode with a draft: its positions are verified together."""
+        return bool(self.draft)
 
     @property
     def block_table(self) -> list[int]:
         return self.seq.block_table
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the chunk's rows run with (None: the base model)."""
+        return self.seq.adapter
 
     @property
     def positions(self) -> range:
@@ -43,8 +64,9 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """One token that samples: attends to the cache, produces the next token."""
-        return self.num_tokens == 1 and self.samples
+        """One token that samples: attends to the cache, produces the next token. A
+        verify chunk counts as a decode for the step's budgets (never as prefill)."""
+        return (self.num_tokens == 1 or bool(self.draft)) and self.samples
 
 
 @dataclass
@@ -58,6 +80,16 @@ class SchedulerOutput:
     @property
     def num_decodes(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens of decode and verify chunks (a verify chunk's draft included)."""
+        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Proposed tokens verified in this step."""
+        return sum(len(c.draft) for c in self.chunks)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -92,15 +124,19 @@ class StepBuilder:
             return self.budget
         return max(0, min(self.budget, self._prefill_bound - self._prefill_tokens))
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
+    def add(self, seq: Sequence, num_tokens: int, draft: tuple[int, ...] = ()) -> None:
         """Schedule positions [num_computed, num_computed + num_tokens) of `seq`, whose
-        block table already covers them."""
-        assert 0 < num_tokens <= self.budget, f"{seq.seq_id}: {num_tokens} tokens over budget"
+        block table already covers them; with a `draft` (a decode only), its positions
+        too."""
         start, size, table = seq.num_computed_tokens, self.block_size, seq.block_table
+        assert not draft or start + num_tokens == seq.num_tokens, "a draft follows a decode"
+        samples = start + num_tokens == seq.num_tokens
+        num_tokens += len(draft)
+        assert 0 < num_tokens <= self.budget, f"{seq.seq_id}: {num_tokens} tokens over budget"
         end = start + num_tokens
         assert end <= len(table) * size, f"{seq.seq_id}: blocks do not cover position {end - 1}"
         slots = [table[p // size] * size + p % size for p in range(start, end)]
-        chunk = ScheduledChunk(seq, start, num_tokens, slots, end == seq.num_tokens)
+        chunk = ScheduledChunk(seq, start, num_tokens, slots, samples, draft)
         if not chunk.is_decode:
             assert num_tokens <= self.prefill_budget, f"{seq.seq_id}: prefill over its bound"
             self._prefill_tokens += num_tokens

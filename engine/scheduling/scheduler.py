@@ -40,6 +40,7 @@ import bisect
 import itertools
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 
 from batchd.engine.config import EngineConfig
 from batchd.engine.exceptions import RequestRejected
@@ -67,8 +68,13 @@ class Scheduler:
         computed_rows: Callable[[int], int] | None = None,
         kv_window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        propose: Callable[[Sequence, int], Seq[int]] | None = None,
     ) -> None:
         self.config = config
+        # Speculative decoding: a decoding sequence's proposed next tokens, at most the
+        # given count (batchd.engine.speculative); None: no speculation.
+        self.propose = propose
+        self._draft_budget = 0
         self.max_model_len = max_model_len
         # Rows the model runner computes for a step of n tokens (n when not told).
         self.computed_rows = computed_rows or (lambda n: n)
@@ -171,6 +177,11 @@ class Scheduler:
         if decodes and bound is not None:
             # every decode waits for this step's prefill work
             step.bound_prefill(self._prefill_bound(len(decodes), bound))
+        rows = self.config.speculative_max_decode_rows
+        # Proposed tokens this step may still verify (speculative decoding).
+        # Never a token a decode of this step needs (the budget holds every decode).
+        limit = step.budget if rows is None else min(rows, step.budget)
+        self._draft_budget = max(0, limit - len(decodes))
         for seq in decodes + prefills:
             if not seq.is_running:
                 continue  # preempted earlier in this step
@@ -178,17 +189,23 @@ class Scheduler:
             num = min(left, step.budget if left == 1 else step.prefill_budget)
             if num == 0:
                 break
-            if self._make_room(seq, seq.num_computed_tokens + num, step):
-                step.add(seq, num)
+            draft = self._draft(seq, step) if left == 1 and self.propose is not None else ()
+            if self._make_room(seq, seq.num_computed_tokens + num + len(draft), step):
+                step.add(seq, num, draft)
         if not step.preempted:
             self._admit(step)
         return step.build()
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Seq[int]]) -> None:
         """Record a finished forward: advance computed tokens, cache newly full blocks,
         append each sampling chunk's token. `sampled` holds the ids of the chunks with
         `samples` (those of sequences finished or aborted since schedule() may be left
-        out; their chunks are ignored). Raises ValueError on any other mismatch."""
+        out; their chunks are ignored). Raises ValueError on any other mismatch.
+
+        A verify chunk's entry is the list of its accepted tokens: the draft tokens that
+        were confirmed, then the token sampled after them (1 to len(draft) + 1 tokens).
+        Only the positions whose input was confirmed stay computed; the blocks beyond
+        them go back to the pool (their K/V was written for rejected tokens)."""
         allowed = {c.seq.seq_id for c in output.chunks if c.samples}
         required = {c.seq.seq_id for c in output.chunks if c.samples and c.seq.is_running}
         if not required <= set(sampled) <= allowed:
@@ -204,13 +221,59 @@ class Scheduler:
                     f"{seq.seq_id}: chunk starts at {chunk.start} but {seq.num_computed_tokens} "
                     "tokens are computed (output applied twice?)"
                 )
+            if chunk.draft:
+                self._accept(chunk, sampled[seq.seq_id])
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.register_full_blocks(seq, start=chunk.start)
             self.block_manager.release_passed(seq)
             if chunk.samples:
-                seq.append_token(sampled[seq.seq_id])
+                token = sampled[seq.seq_id]
+                assert isinstance(token, int), f"{seq.seq_id}: one token for a decode"
+                seq.append_token(token)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _draft(self, seq: Sequence, step: StepBuilder) -> tuple[int, ...]:
+        """The proposal to verify after ``seq``'s decode: within the step's budget, within
+        the sequence's max_tokens (so its worst-case blocks still hold) and only where its
+        extra blocks are free (speculation never preempts)."""
+        assert self.propose is not None
+        room = min(
+            step.budget - 1,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self._draft_budget,
+        )
+        if room < 1:
+            return ()
+        draft = tuple(self.propose(seq, room))[:room]
+        if not draft:
+            return ()
+        bm = self.block_manager
+        if bm.num_new_blocks(seq, seq.num_computed_tokens + 1 + len(draft)) > bm.num_free_blocks:
+            return ()
+        self._draft_budget -= len(draft)
+        return draft
+
+    def _accept(self, chunk: ScheduledChunk, tokens: int | Seq[int]) -> None:
+        """Apply a verify chunk's accepted tokens; roll back the rest."""
+        seq, bm = chunk.seq, self.block_manager
+        accepted = [tokens] if isinstance(tokens, int) else list(tokens)
+        if not 1 <= len(accepted) <= len(chunk.draft) + 1:
+            raise ValueError(
+                f"{seq.seq_id}: {len(accepted)} tokens for a draft of {len(chunk.draft)}"
+            )
+        if list(chunk.draft[: len(accepted) - 1]) != accepted[:-1]:
+            raise ValueError(
+                f"{seq.seq_id}: accepted tokens {accepted} disagree with the draft {chunk.draft}"
+            )
+        for token in accepted:
+            seq.append_token(token)
+        # Inputs confirmed: the decode's token and the accepted draft tokens.
+        seq.num_computed_tokens = chunk.start + len(accepted)
+        bm.truncate(seq, seq.num_computed_tokens)
+        bm.register_full_blocks(seq, start=chunk.start)
+        bm.release_passed(seq)
 
     def _prefill_bound(self, num_decodes: int, bound: int) -> int:
         """Prefill tokens allowed beside ``num_decodes`` decodes: ``bound``, raised (with

@@ -47,7 +47,9 @@ class Sequence:
     among live sequences, is the scheduler's key only). `follows` is a sibling
     (another sample of the same request) this one waits for: it is admitted only
     once that sibling has computed the full blocks of their common prefix, so
-    those blocks come from the prefix cache.
+    those blocks come from the prefix cache. `adapter` names the LoRA adapter the
+    sequence runs with (None: the base model); its K/V differ from the base model's, so
+    the prefix cache keys its blocks by it.
     """
 
     def __init__(
@@ -60,12 +62,14 @@ class Sequence:
         arrival_time: float | None = None,
         request_id: str | None = None,
         sample: int = 0,
+        adapter: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"sequence {seq_id!r}: prompt_token_ids is empty")
         self.seq_id = seq_id
         self.request_id = seq_id if request_id is None else request_id
         self.sample = sample
+        self.adapter = adapter
         self.params = params if params is not None else SamplingParams()
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -145,6 +149,10 @@ class Sequence:
     def tokens(self, start: int, stop: int) -> list[int]:
         """token_ids[start:stop] without copying the whole sequence."""
         return self._tokens[start:stop]
+
+    def tokens_view(self) -> list[int]:
+        """Prompt then outputs, the sequence's own list: read it, never change it."""
+        return self._tokens
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token. Raises if max_tokens outputs are already there."""

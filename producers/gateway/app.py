@@ -167,7 +167,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _redis_error(request: Request, exc: Exception) -> Response:
-    log.warning("Redis error on %s: %s", request.url.path, type(exc).__name__)
+    log.warning("Redis error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
     return _respond(REDIS_DOWN)
 
 

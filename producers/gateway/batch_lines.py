@@ -25,6 +25,7 @@ from batchd.config.limits import LimitSettings
 from batchd.producers.bulk_run import LineSource
 from batchd.producers.errors import ValidationError
 from batchd.producers.gateway.errors import APIError
+from batchd.producers.gateway.fleet import split_adapter
 from batchd.producers.gateway.params import chat_request, completion_request, fill_max_tokens
 from batchd.producers.gateway.refusals import failed, param_of
 from batchd.producers.gateway.shapes import (
@@ -190,6 +191,9 @@ class BatchLines(LineSource):
                 status=404,
             )
         echo["model"] = model
+        adapter = split_adapter(model, self.models.names)[1]
+        if adapter is not None:
+            fields["adapter"] = adapter
         if self.default_max_tokens is not None:
             fill_max_tokens(
                 fields, default=self.default_max_tokens, limits=self.limits, context=None

@@ -62,7 +62,9 @@ def live_beats(values: Iterable[bytes | str | None], queue: str) -> list[DaemonH
 
 def names(beats: Iterable[DaemonHeartbeat]) -> dict[str, str]:
     """Every name a request may use for a served model -> its public name. A path's last
-    part names it only where one model has that last part."""
+    part names it only where one model has that last part. A LoRA adapter a daemon
+    serves is the model ``<name>:<adapter>`` for each name of its model."""
+    beats = list(beats)
     models = {b.model for b in beats if b.model is not None}
     accepted = {m: public_name(m) for m in models}
     accepted.update({public_name(m): public_name(m) for m in models})
@@ -70,7 +72,23 @@ def names(beats: Iterable[DaemonHeartbeat]) -> dict[str, str]:
     for m in models:
         last.setdefault(PurePath(m).name, set()).add(public_name(m))
     accepted.update({name: next(iter(p)) for name, p in last.items() if len(p) == 1})
+    adapters: dict[str, set[str]] = {}
+    for b in beats:
+        if b.model is not None:
+            adapters.setdefault(public_name(b.model), set()).update(b.adapters)
+    for alias, public in list(accepted.items()):
+        for adapter in adapters.get(public, ()):
+            accepted[f"{alias}:{adapter}"] = f"{public}:{adapter}"
     return accepted
+
+
+def split_adapter(public: str, served: dict[str, str]) -> tuple[str, str | None]:
+    """A public name of ``served`` (:func:`names`) -> the model's public name and the
+    adapter it names (None: the base model)."""
+    model, sep, adapter = public.rpartition(":")
+    if sep and model in served.values() and served.get(public) == public:
+        return model, adapter
+    return public, None
 
 
 def served_models(conn: redis.Redis, keys: Keys, queue: str) -> dict[str, str]:
@@ -116,6 +134,10 @@ class Fleet:
         full id, or the last part of its path or hub id); None when no live daemon
         serves it."""
         return names(await self.daemons()).get(requested)
+
+    async def split(self, public: str) -> tuple[str, str | None]:
+        """:func:`split_adapter` over the live daemons' names."""
+        return split_adapter(public, names(await self.daemons()))
 
     async def context_of(self, model: str) -> int | None:
         """The context length (``max_model_len``) of ``model`` (a public name), the least

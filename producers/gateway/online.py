@@ -34,6 +34,7 @@ from batchd.producers.gateway.params import (
     fill_max_tokens,
 )
 from batchd.producers.gateway.refusals import context_exceeded, failed, param_of
+from batchd.producers.gateway.serving.connections import outlast
 from batchd.producers.gateway.serving.hub import Hub, Subscription
 from batchd.producers.gateway.serving.metrics import Meter, arrived
 from batchd.producers.gateway.shapes import CHAT, TEXT, Shaper
@@ -84,6 +85,17 @@ class Online:
         caller = self.guard.caller(request)
         owner = self.guard.owner(request)
         mapped = mapped_of()
+        # Every step reads or writes Redis; a retried submit attaches to its own job id.
+        job_id = new_gateway_job_id()
+        return await outlast(
+            lambda: self._place(mapped, job_id, caller, owner, arrived(request)),
+            self.options.redis_retry_s,
+            "submit",
+        )
+
+    async def _place(
+        self, mapped: Mapped, job_id: str, caller: str, owner: str, started: float
+    ) -> Submitted:
         model = await self.fleet.resolve(mapped.model)
         if model is None:
             raise APIError(
@@ -92,14 +104,17 @@ class Online:
                 param="model",
                 code="model_not_found",
             )
-        context = await self.fleet.context_of(model)
+        base, adapter = await self.fleet.split(model)
+        if adapter is not None:
+            mapped.job["adapter"] = adapter
+        context = await self.fleet.context_of(base)
         fill_max_tokens(
             mapped.job,
             default=self.options.default_max_tokens,
             limits=self.options.limits,
             context=context,
         )
-        job = to_job(mapped, self.options)
+        job = to_job(mapped, job_id, self.options)
         refused = context_exceeded(mapped.job, context)
         if refused is not None:
             raise refused
@@ -120,7 +135,7 @@ class Online:
         except BaseException:
             self.guard.release(caller)
             raise
-        return Submitted(handle, model, mapped, caller, arrived(request))
+        return Submitted(handle, model, mapped, caller, started)
 
     async def _serve(
         self, request: Request, kind: str, mapper: Callable[[dict[str, object]], Mapped]
@@ -263,10 +278,10 @@ def new_gateway_job_id() -> str:
     return secrets.token_hex(16)
 
 
-def to_job(mapped: Mapped, options: GatewayOptions) -> JobRequest:
+def to_job(mapped: Mapped, job_id: str, options: GatewayOptions) -> JobRequest:
     """The JobRequest, validated as the daemon will (limits included); 400 names the field."""
     try:
-        return validate_job({**mapped.job, "id": new_gateway_job_id()}, options.limits)
+        return validate_job({**mapped.job, "id": job_id}, options.limits)
     except ValidationError as exc:
         raise invalid(param_of(exc.field), exc.message) from None
 

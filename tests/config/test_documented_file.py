@@ -50,7 +50,7 @@ def commented_options(text: str) -> set[tuple[str, ...]]:
 def flatten(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
     flat: dict[tuple[str, ...], Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # an empty table is an option's value ({})
             flat.update(flatten(value, (*prefix, key)))
         else:
             flat[(*prefix, key)] = value

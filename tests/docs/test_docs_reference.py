@@ -90,7 +90,7 @@ def test_cell_escapes_pipes_outside_code_only() -> None:
 def _flatten(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
     flat: dict[tuple[str, ...], Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and (not prefix or value):  # a section; else a mapping option
             flat.update(_flatten(value, (*prefix, key)))
         else:
             flat[(*prefix, key)] = value

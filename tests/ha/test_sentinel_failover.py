@@ -7,6 +7,7 @@ uninterrupted run gives."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -142,6 +143,27 @@ class GatewayLoad(threading.Thread):
         return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
+class _GatewayLog(logging.Handler):
+    """The in-process gateway's warnings while installed, for a failure's message."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def text(self) -> str:
+        return "\n".join(self.lines[-40:])
+
+    def __enter__(self) -> None:
+        logging.getLogger("batchd.producers.gateway").addHandler(self)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("batchd.producers.gateway").removeHandler(self)
+
+
 def mid_run(conn: redis.Redis, job_ids: list[str]) -> list[str]:
     """Jobs whose stored stream has tokens and no final event yet."""
     running = []
@@ -169,12 +191,17 @@ def test_jobs_across_a_sentinel_failover_complete_once(
             )
             app = create_app(deployment.url, options)
             settings = GatewaySettings(host="127.0.0.1", port=free_port())
-            with serve_in_thread(uvicorn_config(app, settings, log_level="warning")) as url:
+            gateway_log = _GatewayLog()
+            with (
+                serve_in_thread(uvicorn_config(app, settings, log_level="warning")) as url,
+                gateway_log,
+            ):
                 try:
                     _run_across_failover(deployment, f"{url}/v1", jobs)
                 except AssertionError as exc:  # with what the processes said
                     raise AssertionError(
-                        f"{exc}\n-- daemon:\n{daemon.log_tail()}\n{deployment.log_tails()}"
+                        f"{exc}\n-- gateway:\n{gateway_log.text()}"
+                        f"\n-- daemon:\n{daemon.log_tail()}\n{deployment.log_tails()}"
                     ) from exc
             assert "redis_lost" in daemon.log_path.read_text() or "unreachable" in (
                 daemon.log_path.read_text()

@@ -16,7 +16,6 @@ step (the engine's call, bits unpacked) along random allowed tokens until the JS
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import tempfile
@@ -28,6 +27,7 @@ import numpy as np
 from batchd.engine import EngineConfig, LLMEngine, SamplingParams
 from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.models.loader import load
+from measure.options import engine_parser
 from support.schemas import nested_constraint
 
 FRACTIONS = (0.0, 0.25, 1.0)
@@ -60,12 +60,7 @@ def run_mix(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m measure.constrained", description=__doc__)
-    p.add_argument("--model", type=Path, help="model directory (default: bench-small fixture)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p = engine_parser("constrained", __doc__, requests=32, max_tokens=64)
     p.add_argument("--mask-time", action="store_true", help="time the grammar masks only")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

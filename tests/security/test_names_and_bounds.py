@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from batchd.config.settings import SettingsError, load_settings
@@ -17,7 +15,7 @@ from support.redis_server import RedisServer
 
 HOSTILE_PAYLOADS = [
     # (payload, the field the error must name)
-    ('{"prompt":"x","metadata":{"u":' + str(uuid.uuid4().int) + "}}", "metadata"),
+    ('{"prompt":"x","metadata":{"u":' + str(2**127 + 12345) + "}}", "metadata"),  # > int64
     ('{"prompt":"x","metadata":{"a":[1e999,1e999]}}', "metadata"),
     ('{"prompt":"x","metadata":{"a":NaN}}', "metadata"),
     ('{"prompt":"x","metadata":' + '{"a":' * 40 + "1" + "}" * 40 + "}", "metadata"),

@@ -15,11 +15,19 @@
 
 Each comes from :mod:`batchd.producers.connection`, so a ``redis+sentinel://`` URL gives
 pools that follow the master across a failover: the retry above reconnects to it.
+A request's submit is also retried whole (:func:`outlast`): some failures of a failover
+never reach the per-command retry (a socket error while the pool hands out a connection,
+a demoted master's READONLY reply).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -36,6 +44,12 @@ HEALTH_CHECK_S = 5
 CONNECT_TIMEOUT_S = 5.0
 COMMAND_TIMEOUT_S = 10.0
 RETRIED = [redis.ConnectionError, redis.TimeoutError]
+# What a whole submit is retried on: the deployment is changing hands, not refusing it.
+OUTAGE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError)
+OUTAGE_PAUSE_S = 0.2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def retries(retry_s: float) -> int:
@@ -44,6 +58,20 @@ def retries(retry_s: float) -> int:
         return 0
     ramp = math.ceil(math.log2(RETRY_CAP_S / RETRY_BASE_S))  # the attempts below the cap
     return ramp + math.ceil(retry_s / RETRY_CAP_S)
+
+
+async def outlast(call: Callable[[], Awaitable[T]], retry_s: float, what: str) -> T:
+    """``call()``, called again while it fails with an :data:`OUTAGE` error, for up to
+    ``retry_s`` seconds; then the last error. Only for idempotent calls."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return await call()
+        except OUTAGE as exc:
+            if time.monotonic() + OUTAGE_PAUSE_S > deadline:
+                raise
+            log.warning("%s: %s: %s; retrying", what, type(exc).__name__, exc)
+            await asyncio.sleep(OUTAGE_PAUSE_S)
 
 
 def commands(redis_url: str, options: GatewayOptions) -> aioredis.Redis:

@@ -310,6 +310,15 @@ def _every_option_changed() -> EngineConfig:
         "aging_rate": 0.5,
         "max_model_len": 2048,
         "dtype": "bfloat16",
+        "speculative": "ngram",
+        "num_speculative_tokens": 3,
+        "speculative_ngram_min": 1,
+        "speculative_ngram_max": 3,
+        "speculative_max_decode_rows": 16,
+        "kv_bits": 8,
+        "kv_group_size": 32,
+        "adapters": {"support": "/srv/adapters/support"},
+        "max_resident_adapters": 2,
     }
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new option"
     return EngineConfig(**changed)
@@ -325,7 +334,8 @@ def test_every_engine_option_reaches_batchd_in_the_bench(
 
     wanted = _every_option_changed()
     for name, value in dataclasses.asdict(wanted).items():
-        monkeypatch.setenv(f"BATCHD_ENGINE__{name.upper()}", str(value))
+        text = json.dumps(value) if isinstance(value, dict) else str(value)
+        monkeypatch.setenv(f"BATCHD_ENGINE__{name.upper()}", text)
     args = argparse.Namespace(max_num_seqs=None)
     engine = bench_engine(args, Settings())
     assert engine == wanted

@@ -246,7 +246,9 @@ def test_sigterm_exits_within_grace_and_restart_completes(
     stopped = time.monotonic()
     daemon.signal(signal.SIGTERM)
     assert daemon.wait(10) == 0, daemon.log_tail()
-    assert time.monotonic() - stopped < 0.2 + 2.0
+    # The grace period and its exit, not the ~10 s the jobs need to end (slack for a
+    # loaded host).
+    assert time.monotonic() - stopped < 0.2 + 4.0
     pending: Any = client.xpending_range(KEYS.queue(), CONSUMER_GROUP, "-", "+", 100)
     assert pending, "SIGTERM with a short grace period should leave jobs pending"
     # Handed back: claimable at once, and a graceful stop does not count toward poison.

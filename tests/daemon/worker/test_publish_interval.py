@@ -134,7 +134,9 @@ def test_an_ack_waits_for_the_interval_while_nothing_waits_for_its_room(
     settings = fast_settings(redis_server.url, publish_interval_ms=60_000)
     generator = partial(FakeGenerator, step_delay_s=0.02)
     with worker_thread(settings, generator):
-        enqueue(client, KEYS, {"id": "long", "prompt_token_ids": PROMPT, "max_tokens": 40})
+        # The long job's 300 steps take 6 s at least: it outlasts the short job even on a
+        # loaded host, where the short job may be read several steps after it.
+        enqueue(client, KEYS, {"id": "long", "prompt_token_ids": PROMPT, "max_tokens": 300})
         enqueue(client, KEYS, {"id": "short", "prompt_token_ids": PROMPT, "max_tokens": 3})
         wait_final(client, KEYS, ["short"])
         time.sleep(0.2)  # ten more steps of the long job
@@ -157,11 +159,11 @@ def test_an_ack_goes_at_once_while_jobs_wait_for_its_room(redis_server: RedisSer
     generator = partial(FakeGenerator, step_delay_s=0.02)
     short = [f"s{i}" for i in range(4)]
     with worker_thread(settings, generator):
-        enqueue(client, KEYS, {"id": "long", "prompt_token_ids": PROMPT, "max_tokens": 60})
+        enqueue(client, KEYS, {"id": "long", "prompt_token_ids": PROMPT, "max_tokens": 300})
         for job_id in short:
             enqueue(client, KEYS, {"id": job_id, "prompt_token_ids": PROMPT, "max_tokens": 3})
         wait_final(client, KEYS, short)
-        # ~4 steps each, 16 of the long job's 60: it is still running.
+        # ~4 steps each, 16 of the long job's 300: it is still running.
         assert client.xlen(KEYS.events("long")) == 1
         wait_final(client, KEYS, ["long"])
 

@@ -116,8 +116,8 @@ def test_size_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture) -
     [record] = caplog.records
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
-        "KV pool: 2048 blocks of 16 tokens = 32768 tokens, 1440.0 MiB; "
-        "from max_num_seqs 32 x kv_tokens_per_seq 1024"
+        "KV pool: 2048 blocks of 16 tokens = 32768 tokens, 1440.0 MiB (float32 KV, "
+        "46080 bytes a token); from max_num_seqs 32 x kv_tokens_per_seq 1024"
     )
     fields = {k: getattr(record, k) for k in ("event", "blocks", "tokens", "mib", "bound")}
     assert fields == {
