@@ -16,7 +16,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
-SPECULATIVE = ("off", "ngram")
+SPECULATIVE = ("off", "ngram", "draft")
 
 
 @dataclass(kw_only=True)
@@ -107,13 +107,19 @@ class EngineConfig:
     """Compute dtype override (float32, float16, bfloat16); None keeps the model's."""
 
     speculative: str = "off"
-    """Speculative decoding: ``off``, or ``ngram`` (prompt lookup: a decoding row's
+    """Speculative decoding: ``off``, ``ngram`` (prompt lookup: a decoding row's
     next tokens are proposed from where its last tokens occurred earlier in its prompt
-    and output, and verified in the same forward as the other rows). Outputs are the
-    same either way, token for token; ngram pays where outputs copy their prompt
-    (extraction, editing). A request may opt out (``SamplingParams.speculative``
-    False) or in (True, even when this is off: then ngram). docs/engine.md,
-    "Speculative decoding"."""
+    and output, and verified in the same forward as the other rows) or ``draft`` (a
+    smaller model of the same tokenizer, speculative_draft_model, proposes them
+    greedily). Outputs are the same either way, token for token; ngram pays where
+    outputs copy their prompt (extraction, editing). A request may opt out
+    (``SamplingParams.speculative`` False) or in (True, even when this is off: then
+    ngram). docs/engine.md, "Speculative decoding"."""
+
+    speculative_draft_model: str | None = None
+    """The draft model of ``speculative = "draft"``: a model directory, hub id or preset
+    name, loaded at start; its tokenizer must be the target's (refused at start
+    otherwise). Unused by the other methods."""
 
     num_speculative_tokens: int = 4
     """Most tokens proposed per row and step with speculative decoding."""
@@ -195,6 +201,14 @@ class EngineConfig:
             self.speculative,
             self.speculative in SPECULATIVE,
             f"one of {SPECULATIVE}",
+        )
+        draft = self.speculative_draft_model
+        _require(
+            "speculative_draft_model",
+            draft,
+            (draft is None or (isinstance(draft, str) and draft != ""))
+            and (draft is not None or self.speculative != "draft"),
+            'a model (directory, hub id or preset name), set when speculative = "draft"',
         )
         k = self.num_speculative_tokens
         _require("num_speculative_tokens", k, _positive_int(k), ">= 1")

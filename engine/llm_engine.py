@@ -45,7 +45,7 @@ from batchd.engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
 from batchd.engine.scheduling.scheduler import Scheduler
 from batchd.engine.scheduling.sequence import FinishReason
 from batchd.engine.scheduling.sequence import Sequence as Seq
-from batchd.engine.speculative import NgramProposer
+from batchd.engine.speculative import DraftProposer, NgramProposer, load_draft
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
 
@@ -98,21 +98,28 @@ class LLMEngine:
             propose=self._propose,
         )
         # Speculative decoding (docs/engine.md, "Speculative decoding").
-        self.proposer = NgramProposer(
+        self.proposer: NgramProposer | DraftProposer = NgramProposer(
             k=config.num_speculative_tokens,
             min_n=config.speculative_ngram_min,
             max_n=config.speculative_ngram_max,
         )
+        proposes = f"n-grams {config.speculative_ngram_min}..{config.speculative_ngram_max}"
+        if config.speculative == "draft" and config.speculative_draft_model is not None:
+            self.proposer = load_draft(
+                config.speculative_draft_model,
+                loaded,
+                k=config.num_speculative_tokens,
+                dtype=config.dtype,
+            )
+            proposes = f"draft model {config.speculative_draft_model}"
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         if config.speculative != "off":
             log.info(
-                "speculative decoding: %s, up to %d tokens a row, n-grams %d..%d, decode "
-                "rows <= %s",
+                "speculative decoding: %s (%s), up to %d tokens a row, decode rows <= %s",
                 config.speculative,
+                proposes,
                 config.num_speculative_tokens,
-                config.speculative_ngram_min,
-                config.speculative_ngram_max,
                 config.speculative_max_decode_rows,
             )
         # LoRA adapters (docs/adapters.md), read now: a broken one fails at start.
@@ -270,6 +277,8 @@ class LLMEngine:
         start = time.perf_counter()
         self._num_steps += 1
         scheduled = self.scheduler.schedule()
+        for seq in scheduled.preempted:
+            self.proposer.drop(seq.seq_id)  # its proposer state is rebuilt on resume
         if scheduled.is_empty:
             self.last_step_stats = self._stats(scheduled, start, 0.0, 0)
             return []
@@ -411,7 +420,7 @@ class LLMEngine:
         return dict(zip(ids, masks, strict=True))
 
     def _propose(self, seq: Seq, room: int) -> list[int]:
-        """The scheduler's proposer: prompt-lookup tokens for a decoding row that may
+        """The scheduler's proposer: proposed tokens for a decoding row that may
         speculate, at most ``room``. Rows whose logits processors depend on the tokens
         before them beyond their position (a grammar; penalties) never speculate, so
         they see exactly the context they would without it."""

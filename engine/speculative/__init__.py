@@ -9,9 +9,11 @@ sampled there. The K/V written for the rejected positions is rolled back
 (Scheduler.update: computed tokens and the block table cut back). So outputs are
 the ones speculation-off decoding gives, token for token, greedy and seeded alike.
 
-Proposers: n-gram prompt lookup (``ngram``, batchd.engine.speculative.ngram).
+Proposers: n-gram prompt lookup (``ngram``, batchd.engine.speculative.ngram) and a
+draft model (``draft``, batchd.engine.speculative.draft).
 """
 
+from batchd.engine.speculative.draft import DraftProposer, check_draft, load_draft
 from batchd.engine.speculative.ngram import NgramIndex, NgramProposer
 
-__all__ = ["NgramIndex", "NgramProposer"]
+__all__ = ["DraftProposer", "NgramIndex", "NgramProposer", "check_draft", "load_draft"]

@@ -311,6 +311,7 @@ def _every_option_changed() -> EngineConfig:
         "max_model_len": 2048,
         "dtype": "bfloat16",
         "speculative": "ngram",
+        "speculative_draft_model": "/srv/models/draft",
         "num_speculative_tokens": 3,
         "speculative_ngram_min": 1,
         "speculative_ngram_max": 3,
