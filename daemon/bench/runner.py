@@ -90,6 +90,9 @@ class BenchOptions:
         None  # None: as many as batchd.daemon.bench.queue's time budget allows
     )
     command: str = ""
+    # The speculative workload: the method compared with off, and its draft model.
+    speculative_method: str = "ngram"
+    speculative_draft_model: str | None = None
 
     def __post_init__(self) -> None:
         known = WORKLOADS + EXTRA_WORKLOADS
@@ -203,6 +206,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             vocab_size=vocab,
             seed=options.seed,
             progress=progress,
+            method=options.speculative_method,
+            draft_model=options.speculative_draft_model,
         )
     report["headline"] = headline(report)
     return report

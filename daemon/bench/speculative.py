@@ -1,8 +1,10 @@
 """The ``speculative`` workload: batchd with speculative decoding off and on, same run.
 
-Two request sets, each run by one engine with ``speculative="off"`` and one with
-``"ngram"`` (n-gram prompt lookup), in alternating rounds (off, on, on, off, ...) so a
-slow spell of the host falls on both; the figure is the median round's tokens/s:
+Two request sets, each run by one engine with ``speculative="off"`` and one with the
+chosen method: ``"ngram"`` (n-gram prompt lookup, the default) or ``"draft"`` (a draft
+model of the same tokenizer proposes, ``--draft-model``), in alternating rounds (off,
+on, on, off, ...) so a slow spell of the host falls on both; the figure is the median
+round's tokens/s:
 
 - ``extraction``: real text: a passage, and an instruction to repeat it, copy it with a
   small change, or quote part of it (the outputs a job queue sees from extraction
@@ -68,7 +70,8 @@ TASKS = (
 )
 
 EXTRACTION_MAX_TOKENS = 160
-MODES = ("off", "ngram")
+METHODS = ("ngram", "draft")
+METHOD_TITLES = {"ngram": "n-gram prompt lookup", "draft": "draft model"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,7 @@ def compare(
             took, tokens = _run_once(engines[mode], requests)
             seconds[mode].append(took)
             outputs.setdefault(mode, tokens)
+    method = next(mode for mode in engines if mode != "off")
     total = sum(len(t) for t in outputs["off"].values())
     result: dict[str, Any] = {
         "requests": len(requests),
@@ -154,7 +158,7 @@ def compare(
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         }
     systems = result["systems"]
-    result["speedup"] = round(systems["ngram"]["tok_s"] / systems["off"]["tok_s"], 3)
+    result["speedup"] = round(systems[method]["tok_s"] / systems["off"]["tok_s"], 3)
     return result
 
 
@@ -167,11 +171,20 @@ def run_speculative(
     seed: int,
     progress: Progress,
     rounds: int = 3,
+    method: str = "ngram",
+    draft_model: str | None = None,
+    limit: int | None = None,
 ) -> dict[str, Any]:
-    """The extraction and mixed request sets, speculation off and on (see the module)."""
+    """The extraction and mixed request sets, speculation off and with ``method`` (see
+    the module); ``draft_model`` (directory, hub id or preset name) for ``"draft"``;
+    ``limit``: at most that many requests of each set (tests)."""
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r} unknown; choose from {METHODS}")
+    if method == "draft" and not draft_model:
+        raise ValueError('the speculative method "draft" needs a draft model')
     sets = {
-        "extraction": extraction_requests(),
-        "mixed": mixed_requests(scale, vocab_size, seed),
+        "extraction": extraction_requests()[:limit],
+        "mixed": mixed_requests(scale, vocab_size, seed)[:limit],
     }
     longest = max(scale.prompt_len[1] + scale.output_len[1], 512 + EXTRACTION_MAX_TOKENS)
     base = bench_engine_config(
@@ -179,39 +192,54 @@ def run_speculative(
         longest_request=longest,
         max_prefill_tokens_with_decodes=engine.max_prefill_tokens_with_decodes,
     )
+    configs = {
+        "off": dataclasses.replace(base, speculative="off"),
+        method: dataclasses.replace(
+            base,
+            speculative=method,
+            speculative_draft_model=draft_model if method == "draft" else None,
+        ),
+    }
     engines = {
-        mode: LLMEngine.from_pretrained(
-            str(model_path), dataclasses.replace(base, speculative=mode)
-        )
-        for mode in MODES
+        mode: LLMEngine.from_pretrained(str(model_path), config) for mode, config in configs.items()
     }
     # First-call costs (the C kernels' threads, the chat template) out of the figures.
     for e in engines.values():
         _run_once(e, extraction_requests(8)[:4])
     result: dict[str, Any] = {
+        "method": method,
         "num_speculative_tokens": base.num_speculative_tokens,
-        "ngram": [base.speculative_ngram_min, base.speculative_ngram_max],
     }
+    if method == "ngram":
+        result["ngram"] = [base.speculative_ngram_min, base.speculative_ngram_max]
+    else:
+        result["draft_model"] = draft_model
     for name, requests in sets.items():
-        progress.phase(f"speculative: {name}, off and ngram, {rounds} rounds")
+        progress.phase(f"speculative: {name}, off and {method}, {rounds} rounds")
         result[name] = compare(engines, requests, rounds=rounds)
         r = result[name]
         progress.say(
-            f"{name}: {r['speedup']:.2f}x with ngram, acceptance "
-            f"{r['systems']['ngram']['acceptance_rate']}, identical {r['identical']}"
+            f"{name}: {r['speedup']:.2f}x with {method}, acceptance "
+            f"{r['systems'][method]['acceptance_rate']}, identical {r['identical']}"
         )
     return result
 
 
+def _method(result: dict[str, Any]) -> str:
+    """The method a report compared with off (reports before the draft method: ngram)."""
+    return str(result.get("method", "ngram"))
+
+
 def speculative_headline(result: dict[str, Any]) -> str:
+    method = _method(result)
     parts = []
     for name in ("extraction", "mixed"):
         r = result.get(name)
         if r is None:
             continue
-        rate = r["systems"]["ngram"]["acceptance_rate"]
+        rate = r["systems"][method]["acceptance_rate"]
         parts.append(
-            f"speculative {name} {r['speedup']:.2f}x (acceptance "
+            f"speculative {name} {r['speedup']:.2f}x with {method} (acceptance "
             f"{'n/a' if rate is None else f'{rate:.0%}'})"
         )
     return ", ".join(parts)
@@ -219,20 +247,26 @@ def speculative_headline(result: dict[str, Any]) -> str:
 
 def speculative_lines(result: dict[str, Any]) -> list[str]:
     """The report's markdown section."""
+    method = _method(result)
+    if method == "ngram":
+        low, high = result["ngram"]
+        setting = f"n-grams {low}..{high}"
+    else:
+        setting = f"draft model {result['draft_model']}"
     lines = [
-        "## Speculative decoding (n-gram prompt lookup)",
+        f"## Speculative decoding ({METHOD_TITLES.get(method, method)})",
         "",
-        f"num_speculative_tokens {result['num_speculative_tokens']}, "
-        f"n-grams {result['ngram'][0]}..{result['ngram'][1]}; median of the rounds.",
+        f"num_speculative_tokens {result['num_speculative_tokens']}, {setting}; "
+        "median of the rounds.",
         "",
-        "| requests | tokens | off tok/s | ngram tok/s | speed-up | acceptance | identical |",
+        f"| requests | tokens | off tok/s | {method} tok/s | speed-up | acceptance | identical |",
         "|---|---|---|---|---|---|---|",
     ]
     for name in ("extraction", "mixed"):
         r = result.get(name)
         if r is None:
             continue
-        off, on = r["systems"]["off"], r["systems"]["ngram"]
+        off, on = r["systems"]["off"], r["systems"][method]
         rate = on["acceptance_rate"]
         lines.append(
             f"| {name} ({r['requests']}) | {r['output_tokens']} | {off['tok_s']:.1f} | "

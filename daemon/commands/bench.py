@@ -41,8 +41,21 @@ def register(sub: Any) -> None:
         "online arrivals at several prefill bounds, see --sweep-bounds; gateway measures one "
         "batchd gateway process under load, in front of a daemon on --model (default: tiny) "
         "and a private redis-server, see the --gateway-* options; speculative runs batchd "
-        "with speculative decoding off and on, on an extraction workload of real text "
-        "(meaningful with --model smollm2) and on mixed)",
+        "with speculative decoding off and on (see --speculative-method), on an extraction "
+        "workload of real text (meaningful with --model smollm2) and on mixed)",
+    )
+    p.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default="ngram",
+        help="speculative: the method compared with speculation off: ngram (n-gram prompt "
+        "lookup) or draft (a draft model, see --draft-model) (default: ngram)",
+    )
+    p.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="speculative: the draft model of --speculative-method draft, a model directory, "
+        "hub id or preset name sharing --model's tokenizer (required with draft)",
     )
     add_model_option(
         p,
@@ -193,6 +206,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     Run batchd's engine and its peers on the same model and seeded requests, side by side, and
     report throughput ratios, latency and model-FLOPs utilisation.
     """
+    problem = speculative_problem(args)
+    if problem:
+        print(f"batchd bench: {problem}", file=sys.stderr)
+        return 2
     if args.workload == "gateway":
         return bench_gateway(args)
     # Without the daemon or bench extra these raise ModuleNotFoundError, which the
@@ -230,6 +247,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         sweep_bounds=args.sweep_bounds or DEFAULT_BOUNDS,
         sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
         queue_rounds=args.queue_rounds,
+        speculative_method=args.speculative_method,
+        speculative_draft_model=args.draft_model,
         command=(
             f"batchd bench --workload {args.workload} "
             + f"--model {args.model or label}"
@@ -238,6 +257,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
             + _sweep_options(args)
             + (f" --queue-rounds {args.queue_rounds}" if args.queue_rounds else "")
+            + _speculative_options(args)
         ),
     )
     report = run_bench(options, Progress())
@@ -245,6 +265,26 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     print(f"wrote {', '.join(str(p) for p in paths)}")
     print(report["headline"])
     return 0
+
+
+def speculative_problem(args: argparse.Namespace) -> str | None:
+    """Why --speculative-method and --draft-model do not go together, or None."""
+    if args.speculative_method == "draft" and not args.draft_model:
+        return (
+            "--speculative-method draft needs --draft-model MODEL (a model directory, "
+            "hub id or preset name with --model's tokenizer)"
+        )
+    if args.draft_model and args.speculative_method != "draft":
+        return "--draft-model is used only with --speculative-method draft"
+    return None
+
+
+def _speculative_options(args: argparse.Namespace) -> str:
+    """The speculative workload's method as given, for the report's command line."""
+    if args.workload != "speculative":
+        return ""
+    draft = f" --draft-model {args.draft_model}" if args.draft_model else ""
+    return f" --speculative-method {args.speculative_method}{draft}"
 
 
 def bench_gateway(args: argparse.Namespace) -> int:
