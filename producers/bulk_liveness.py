@@ -98,6 +98,7 @@ class Beat:
         self.liveness = liveness
         self.fields = fields
         self.tick = tick
+        self._failing: str | None = None  # the kind of error the last beat met
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"beat {key}", daemon=True)
 
@@ -110,11 +111,20 @@ class Beat:
         self.stop()
 
     def beat(self) -> None:
+        """Set the key once. A beat Redis does not take (unreachable, or an error reply:
+        out of memory, an ACL) is warned about once per kind of error, not every beat,
+        and said again when a beat is set."""
         ttl_ms = int(self.liveness.ttl_s * 1000)
         try:
             self.conn.set(self.key, beat_value(**self.fields), px=ttl_ms)
         except BEAT_ERRORS as exc:
-            log.warning("heartbeat %s not set: %s", self.key, type(exc).__name__)
+            if type(exc).__name__ != self._failing:
+                log.warning("heartbeat %s not set: %s", self.key, type(exc).__name__)
+            self._failing = type(exc).__name__
+            return
+        if self._failing is not None:
+            log.info("heartbeat %s restored", self.key)
+        self._failing = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.liveness.interval_s):

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from batchd.producers.aio import AsyncClient
 from batchd.producers.bulk_files import FilesDir
 from batchd.producers.gateway.batches import Batches
-from batchd.producers.gateway.errors import REDIS_DOWN, APIError
+from batchd.producers.gateway.errors import APIError, redis_failure
 from batchd.producers.gateway.expiry import Sweeper
 from batchd.producers.gateway.files import Files
 from batchd.producers.gateway.fleet import BulkWorkers, Fleet
@@ -168,7 +168,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _redis_error(request: Request, exc: Exception) -> Response:
     log.warning("Redis error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-    return _respond(REDIS_DOWN)
+    return _respond(redis_failure(exc))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

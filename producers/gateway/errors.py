@@ -2,14 +2,17 @@
 
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status the
 OpenAI API uses for the same case (400 bad parameter, 401 bad key, 404 unknown
-model or object, 413 body too large, 429 too busy, 503 Redis unreachable).
-Messages never carry the Redis URL: Redis failures get a fixed text.
+model or object, 413 body too large, 429 too busy, 503 Redis unreachable or refusing
+writes). Messages never carry the Redis URL nor Redis's own error text (an ACL error
+names the user): Redis failures get a fixed text per kind (:func:`redis_failure`).
 """
 
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
+
+import redis
 
 
 # repr=False keeps Exception's repr; eq=False keeps exceptions hashable by identity.
@@ -69,3 +72,26 @@ REDIS_DOWN = APIError(
     type="server_error",
     code="unavailable",
 )
+
+
+def _refusing(why: str) -> APIError:
+    return APIError(
+        503, f"the job store (Redis) {why}; retry later", type="server_error", code="unavailable"
+    )
+
+
+# Redis up but refusing what the request needs: said as such, not as "unreachable".
+_REFUSALS: tuple[tuple[type[Exception], APIError], ...] = (
+    (redis.exceptions.OutOfMemoryError, _refusing("is out of memory and refuses writes")),
+    (redis.exceptions.ReadOnlyError, _refusing("is a read-only replica (a failover?)")),
+    (redis.exceptions.NoPermissionError, _refusing("refuses the gateway's user (an ACL)")),
+    (redis.ResponseError, _refusing("refused the request")),
+)
+
+
+def redis_failure(exc: BaseException) -> APIError:
+    """The 503 for a Redis failure: unreachable, or up and refusing (each kind its text)."""
+    for kind, error in _REFUSALS:
+        if isinstance(exc, kind):
+            return error
+    return REDIS_DOWN

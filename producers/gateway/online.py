@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from batchd.producers.aio import AsyncClient, AsyncJobHandle
 from batchd.producers.errors import JobNotFound, ProtocolError, ValidationError
-from batchd.producers.gateway.errors import REDIS_DOWN, APIError, invalid, too_busy
+from batchd.producers.gateway.errors import APIError, invalid, redis_failure, too_busy
 from batchd.producers.gateway.fleet import Fleet
 from batchd.producers.gateway.guard import Guard
 from batchd.producers.gateway.options import GatewayOptions
@@ -209,7 +209,7 @@ class Online:
                 async for chunk in self._chunks(job, shaper, route, keepalive):
                     yield chunk
             except (APIError, *REDIS_ERRORS) as exc:  # the job's record lost, Redis gone
-                error = exc if isinstance(exc, APIError) else REDIS_DOWN
+                error = exc if isinstance(exc, APIError) else redis_failure(exc)
                 yield sse(orjson.dumps(error.body()))
                 yield DONE
             ended = True

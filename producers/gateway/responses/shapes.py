@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from batchd.producers.gateway.errors import REDIS_DOWN, APIError
+from batchd.producers.gateway.errors import APIError, redis_failure
 from batchd.producers.gateway.params import Mapped
 from batchd.producers.gateway.refusals import failed
 from batchd.producers.gateway.shapes import CHAT, cached_tokens
@@ -147,7 +147,7 @@ async def stream_events(
         async for chunk in _job_events(online, job, shaper, route):
             yield chunk
     except (APIError, *REDIS_ERRORS) as exc:
-        error = exc if isinstance(exc, APIError) else REDIS_DOWN
+        error = exc if isinstance(exc, APIError) else redis_failure(exc)
         yield _failed_event(shaper, error)
 
 

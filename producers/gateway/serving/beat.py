@@ -6,6 +6,10 @@ overview lists the gateways alive; the key goes when the gateway stops, or expir
 after it died. The body is JSON: name, host, pid, time of the beat, the batchd version,
 the queue it submits to and when it started. The dashboard's probe finds the keys
 (batchd.producers.dashboard.fleet.probe); nothing reads them to decide anything.
+
+A beat Redis does not take (unreachable, or an error reply: out of memory, an ACL) is
+warned about once per kind of error, not once a second, and said again when a beat is set
+(:meth:`Beat.beat`).
 """
 
 from __future__ import annotations
