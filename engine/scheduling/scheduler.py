@@ -75,6 +75,11 @@ class Scheduler:
         # given count (batchd.engine.speculative); None: no speculation.
         self.propose = propose
         self._draft_budget = 0
+        # This step's running sequences in order, and (worked out at the first proposal of
+        # the step) the fresh blocks the chunks from each one on need: a proposal never
+        # takes blocks a later chunk needs (it would preempt that sequence).
+        self._order: list[Sequence] = []
+        self._needs_from: list[int] | None = None
         self.max_model_len = max_model_len
         # Rows the model runner computes for a step of n tokens (n when not told).
         self.computed_rows = computed_rows or (lambda n: n)
@@ -182,14 +187,15 @@ class Scheduler:
         # Never a token a decode of this step needs (the budget holds every decode).
         limit = step.budget if rows is None else min(rows, step.budget)
         self._draft_budget = max(0, limit - len(decodes))
-        for seq in decodes + prefills:
+        self._order, self._needs_from = decodes + prefills, None
+        for i, seq in enumerate(self._order):
             if not seq.is_running:
                 continue  # preempted earlier in this step
             left = seq.num_tokens - seq.num_computed_tokens
             num = min(left, step.budget if left == 1 else step.prefill_budget)
             if num == 0:
                 break
-            draft = self._draft(seq, step) if left == 1 and self.propose is not None else ()
+            draft = self._draft(seq, step, i) if left == 1 and self.propose is not None else ()
             if self._make_room(seq, seq.num_computed_tokens + num + len(draft), step):
                 step.add(seq, num, draft)
         if not step.preempted:
@@ -234,10 +240,11 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _draft(self, seq: Sequence, step: StepBuilder) -> tuple[int, ...]:
-        """The proposal to verify after ``seq``'s decode: within the step's budget, within
-        the sequence's max_tokens (so its worst-case blocks still hold) and only where its
-        extra blocks are free (speculation never preempts)."""
+    def _draft(self, seq: Sequence, step: StepBuilder, index: int) -> tuple[int, ...]:
+        """The proposal to verify after ``seq``'s decode (``index`` in this step's order):
+        within the step's budget, within the sequence's max_tokens (so its worst-case
+        blocks still hold) and cut to the positions its blocks and the free blocks no later
+        chunk of this step needs hold (speculation never preempts)."""
         assert self.propose is not None
         room = min(
             step.budget - 1,
@@ -249,11 +256,25 @@ class Scheduler:
         draft = tuple(self.propose(seq, room))[:room]
         if not draft:
             return ()
-        bm = self.block_manager
-        if bm.num_new_blocks(seq, seq.num_computed_tokens + 1 + len(draft)) > bm.num_free_blocks:
-            return ()
+        draft = draft[: max(0, self._draft_fits(seq, step, index))]
         self._draft_budget -= len(draft)
         return draft
+
+    def _draft_fits(self, seq: Sequence, step: StepBuilder, index: int) -> int:
+        """Proposed tokens ``seq``'s blocks and the spare free blocks hold past its decode."""
+        bm = self.block_manager
+        if self._needs_from is None:  # once a step, and only in a step that proposes
+            needs = [self._chunk_blocks(s, step) for s in self._order]
+            self._needs_from = [*itertools.accumulate(reversed(needs))][::-1] + [0]
+        spare = bm.num_free_blocks - self._needs_from[index + 1]
+        return (len(seq.block_table) + spare) * bm.block_size - seq.num_computed_tokens - 1
+
+    def _chunk_blocks(self, seq: Sequence, step: StepBuilder) -> int:
+        """Fresh blocks the chunk ``schedule`` gives a running sequence at most needs
+        (its decode, or a prefill chunk within the step's prefill budget)."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        num = 1 if left == 1 else min(left, step.prefill_budget)
+        return self.block_manager.num_new_blocks(seq, seq.num_computed_tokens + num)
 
     def _accept(self, chunk: ScheduledChunk, tokens: int | Seq[int]) -> None:
         """Apply a verify chunk's accepted tokens; roll back the rest."""
