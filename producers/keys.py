@@ -32,8 +32,9 @@ DEFAULT_QUEUE = "default"
 JOB_FIELD = "job"
 EVENT_FIELD = "event"
 CANCEL_FIELD = "id"
-# The status hash's field naming the job's queue entry (its stream id), set at submit.
-ENTRY_ID_FIELD = "entry_id"
+# The status hash's field naming the job's queue entry (its stream id): written with the
+# entry at submit, at pickup, and where an entry Redis lost is added again.
+ENTRY_FIELD = "entry"
 # Cancellation requests are hints (the status hash is the truth): trim the stream near this.
 CANCEL_MAXLEN = 10_000
 

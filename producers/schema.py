@@ -756,10 +756,11 @@ class JobStatus(BaseModel):
 
     state: JobState
     queue: str | None = None
-    entry_id: str | None = Field(
+    entry: str | None = Field(
         None,
-        description="Stream id of the job's entry on its queue, stored with the entry at "
-        "submit by batchd's clients (unset for a raw XADD).",
+        description="Stream id of the job's entry on its queue: stored with the entry at "
+        "submit by batchd's clients, at pickup by the daemon (a raw XADD's), and again when "
+        "an entry Redis lost is added back.",
     )
     error: str | None = None
     daemon: str | None = Field(None, description="Consumer name of the daemon holding the job.")

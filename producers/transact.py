@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from batchd.producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, ENTRY_ID_FIELD, JOB_FIELD, Keys
+from batchd.producers.keys import CANCEL_FIELD, CANCEL_MAXLEN, ENTRY_FIELD, JOB_FIELD, Keys
 from batchd.producers.schema import JobState
 
 _TERMINAL = ", ".join(f"['{state.value}'] = true" for state in JobState if state.terminal)
@@ -26,7 +26,7 @@ _TERMINAL = ", ".join(f"['{state.value}'] = true" for state in JobState if state
 # never queued, and a retry with the same submit token would take it as queued: the
 # refusal deletes that hash and the entries and hashes the script wrote before, and
 # ``enqueue`` returns Redis's error for the script to return (nil once queued). A queued
-# job's status hash names its entry (``entry_id``), written with it: whoever holds the
+# job's status hash names its entry (``entry``), written with it: whoever holds the
 # job id finds its queue entry without searching the stream.
 _ENQUEUE = f"""
 local written = {{}}
@@ -40,7 +40,7 @@ local function enqueue(hash, stream, payload)
     end
     return added
   end
-  redis.call('HSET', hash, '{ENTRY_ID_FIELD}', added)
+  redis.call('HSET', hash, '{ENTRY_FIELD}', added)
   written[#written + 1] = {{hash, added}}
 end
 """

@@ -146,8 +146,11 @@ class Job:
         progress must be on record before a crash, so that the crash is not blamed on
         it). (The ack left once both are stored waits on nobody, unless jobs wait for the
         room it frees: see ``PublishCadence.due``.)"""
-        events, _ = self.outbox()
-        return bool(events) and (self.alone or self.stored_events == 0 or events[-1].final)
+        sendable = len(self.unpublished)
+        ends = sendable > 0 and self.unpublished[-1].final
+        if ends and self.final_held():
+            sendable, ends = sendable - 1, False  # asked every step: no outbox copy
+        return sendable > 0 and (self.alone or self.stored_events == 0 or ends)
 
     def final_held(self, now: float | None = None) -> bool:
         """A cancelled end waits in the outbox until the cancel request and the tokens

@@ -33,7 +33,7 @@ from batchd.daemon.worker.generator import JobRejected
 from batchd.daemon.worker.jobs import Delivery, Job
 from batchd.daemon.worker.member import Member
 from batchd.producers.errors import ValidationError
-from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, is_name
+from batchd.producers.keys import ENTRY_FIELD, EVENT_FIELD, JOB_FIELD, is_name
 from batchd.producers.schema import (
     Event,
     FinishReason,
@@ -135,7 +135,7 @@ class PickupPolicy:
 
     def _taken(self, job: Job, raw_status: dict[bytes, bytes], out: Pickup) -> bool:
         """True (and the entry acked) when another entry already took this job id."""
-        stored_entry = raw_status.get(b"entry")
+        stored_entry = raw_status.get(ENTRY_FIELD.encode())
         if stored_entry is not None and stored_entry.decode() != job.delivery.entry_id:
             log.warning(
                 "job %s: entry %s repeats a job id already taken by entry %s; not run twice",

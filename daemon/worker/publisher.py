@@ -155,7 +155,10 @@ class Publisher:
         """The pipeline of a flush; or the result of one that sends nothing (nothing to
         write, or Redis refused the append script)."""
         jobs = list(jobs)
-        outboxes = [(job, *job.outbox()) for job in jobs]
+        if not self.hold_ends:
+            for job in jobs:
+                job.release_end()
+        outboxes = [(job, *job.outbox()) for job in jobs if job.unpublished or job.status]
         writing = [(job, events, status) for job, events, status in outboxes if events or status]
         finishing = [job for job in jobs if job.stored_final]
         if not writing and not finishing and not extras:
@@ -166,10 +169,7 @@ class Publisher:
             except redis.ResponseError as exc:  # e.g. NOPERM: keep everything, back off
                 return FlushResult(refused=f"loading the append script: {exc}")
             self._loaded = True
-            self.hold_ends = _loses_acknowledged(self.redis)
-        if not self.hold_ends:
-            for job in jobs:
-                job.release_end()
+            self.hold_ends = _loses_acknowledged(self.redis)  # ends released from the next flush
         pipe = self.redis.pipeline(transaction=False)
         sent = []
         for job, events, status in writing:

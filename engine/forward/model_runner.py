@@ -236,7 +236,7 @@ class ModelRunner:
     def _adapters_serving(
         self, chunks: Sequence[ChunkInput], plan: _Plan
     ) -> AbstractContextManager[None] | None:
-        if self.adapters is None:
+        if self.adapters is None or not self.adapters.paths:  # none served: base rows only
             return None
         first = plan.first_rows
         spans = [(chunk_adapter(c), first[i], len(c.token_ids)) for i, c in enumerate(chunks)]

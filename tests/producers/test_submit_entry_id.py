@@ -1,4 +1,4 @@
-"""A submitted job's status hash names its queue entry (``entry_id``), written by the
+"""A submitted job's status hash names its queue entry (``entry``), written by the
 submit script with the entry: the sync client, the async client and submit_many, on a
 real redis-server."""
 
@@ -13,7 +13,7 @@ import redis
 
 from batchd.producers.aio import AsyncClient
 from batchd.producers.client import Client
-from batchd.producers.keys import ENTRY_ID_FIELD, JOB_FIELD, Keys
+from batchd.producers.keys import ENTRY_FIELD, JOB_FIELD, Keys
 from support.redis_server import RedisServer
 
 KEYS = Keys()
@@ -28,7 +28,7 @@ def _entries(conn: redis.Redis, queue: str = "default") -> dict[str, str]:
 
 
 def _named(conn: redis.Redis, job_id: str) -> str | None:
-    value: Any = conn.hget(KEYS.job(job_id), ENTRY_ID_FIELD)
+    value: Any = conn.hget(KEYS.job(job_id), ENTRY_FIELD)
     return value.decode() if value is not None else None
 
 

@@ -251,3 +251,26 @@ def test_an_entry_another_daemon_claimed_is_dead_lettered_by_that_daemon_only(
         pass
     assert client.xlen(KEYS.dead) == 0
     assert client.xpending(KEYS.queue(), CONSUMER_GROUP)["pending"] == 1  # the other's
+
+
+def test_cancelled_ends_wait_only_where_redis_can_lose_an_acknowledged_second(
+    redis_server: RedisServer,
+) -> None:
+    """The publisher reads the server's persistence when it loads its script: AOF
+    ``everysec`` holds cancelled ends, ``always`` and no AOF do not, and a CONFIG the
+    daemon's user may not run (NOPERM) holds them (the safe side)."""
+    from batchd.daemon.worker.publisher import _loses_acknowledged
+
+    admin = redis_server.client()
+    assert not _loses_acknowledged(admin)  # no AOF
+    admin.config_set("appendonly", "yes")
+    admin.config_set("appendfsync", "everysec")
+    assert _loses_acknowledged(admin)
+    admin.config_set("appendfsync", "always")
+    assert not _loses_acknowledged(admin)
+    admin.acl_setuser(
+        "noconfig", enabled=True, nopass=True, commands=["+@all", "-config"], keys=["*"]
+    )
+    limited = redis.Redis(host="127.0.0.1", port=redis_server.port, username="noconfig")
+    assert _loses_acknowledged(limited)
+    limited.close()
