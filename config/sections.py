@@ -19,6 +19,16 @@ from batchd.config.paths import gateway_files
 RQ_QUEUE = "batchd-bulk"
 
 
+class QueueSettings(Section):
+    """How queues are laid out in Redis; fixed for the life of a deployment's data."""
+
+    partitions: int = Field(1, ge=1, le=64)
+    """Partitions of every queue: a job goes to partition crc32(id) mod N, each on its
+    own hash slot, so on Redis Cluster one queue spreads over N shards (docs/cluster.md).
+    Stored in Redis by the first daemon (<prefix>:layout); a daemon configured otherwise
+    refuses to start. Change it only with every queue empty."""
+
+
 class GatewaySettings(Section):
     """`batchd gateway`, the OpenAI-compatible HTTP gateway. Every bound is per gateway
     process; its flags (--port, --max-in-flight, ...) override these."""

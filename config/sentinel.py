@@ -61,19 +61,12 @@ def is_sentinel_url(url: str) -> bool:
 def parse_sentinel_url(url: str) -> SentinelTarget:
     """The deployment a ``redis+sentinel://`` URL names; ValueError (the URL shown
     without its passwords) when it has no Sentinel, no service name or a bad part."""
-    scheme, _, rest = url.partition("://")
-    tls = SENTINEL_SCHEMES.get(scheme.lower())
-    if tls is None:
-        raise ValueError(f"{redact(url)}: not a redis+sentinel:// or rediss+sentinel:// URL")
-    rest, _, query = rest.partition("?")
-    at = rest.rfind("@")
-    userinfo, located = (rest[:at], rest[at + 1 :]) if at >= 0 else ("", rest)
-    hosts, _, path = located.partition("/")
+    tls, userinfo, hosts, path, query = split_url(url, SENTINEL_SCHEMES)
     service_name, _, db = path.strip("/").partition("/")
     if not service_name:
         raise ValueError(f"{redact(url)}: no service name (redis+sentinel://host/service_name)")
     try:
-        sentinels = tuple(_host_port(part) for part in hosts.split(",") if part)
+        sentinels = tuple(host_port(part) for part in hosts.split(",") if part)
         if not sentinels:
             raise ValueError("no Sentinel address")
         options = dict(parse_qsl(query, keep_blank_values=True))
@@ -93,19 +86,35 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     return SentinelTarget(sentinels, service_name, tls, master, own)
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    """``host``, ``host:port`` or ``[v6]:port``; the Sentinel port when none is given."""
+def split_url(url: str, schemes: dict[str, bool]) -> tuple[bool, str, str, str, str]:
+    """``(tls, userinfo, hosts, path, query)`` of a URL naming several hosts, one of
+    ``schemes`` (scheme -> TLS); ValueError (the URL shown without its password) for
+    another scheme."""
+    scheme, _, rest = url.partition("://")
+    tls = schemes.get(scheme.lower())
+    if tls is None:
+        names = " or ".join(f"{name}://" for name in schemes)
+        raise ValueError(f"{redact(url)}: not a {names} URL")
+    rest, _, query = rest.partition("?")
+    at = rest.rfind("@")
+    userinfo, located = (rest[:at], rest[at + 1 :]) if at >= 0 else ("", rest)
+    hosts, _, path = located.partition("/")
+    return tls, userinfo, hosts, path, query
+
+
+def host_port(address: str, default_port: int = DEFAULT_SENTINEL_PORT) -> tuple[str, int]:
+    """``host``, ``host:port`` or ``[v6]:port``; ``default_port`` when none is given."""
     if address.startswith("["):
         host, _, port = address[1:].partition("]")
         port = port.removeprefix(":")
     else:
         host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
     if not host:
-        raise ValueError(f"Sentinel address {address!r} has no host")
+        raise ValueError(f"address {address!r} has no host")
     if not port:
-        return host, DEFAULT_SENTINEL_PORT
+        return host, default_port
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"Sentinel address {address!r}: bad port")
+        raise ValueError(f"address {address!r}: bad port")
     return host, int(port)
 
 
@@ -136,7 +145,7 @@ class SentinelSettings(Section):
     @classmethod
     def _addresses(cls, value: list[str]) -> list[str]:
         for address in value:
-            _host_port(address)  # ValueError naming the bad address
+            host_port(address)  # ValueError naming the bad address
         return value
 
     def url(self) -> str | None:

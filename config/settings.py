@@ -27,15 +27,24 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from batchd.config.cluster import is_cluster_url, parse_cluster_url
 from batchd.config.limits import DEFAULT_REDIS_URL, NAME_PATTERN, LimitSettings, Section
 from batchd.config.secrets import redact
-from batchd.config.sections import BulkSettings, GatewaySettings
+from batchd.config.sections import BulkSettings, GatewaySettings, QueueSettings
 from batchd.config.sentinel import SentinelSettings, is_sentinel_url, parse_sentinel_url
 from batchd.engine.config import EngineConfig
 
 CONFIG_ENV_VAR = "BATCHD_CONFIG"
 # Schemes of redis_url: redis-py's own, and a master found through Sentinel.
-SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+SCHEMES = (
+    "redis://",
+    "rediss://",
+    "unix://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+    "redis+cluster://",
+    "rediss+cluster://",
+)
 
 
 class DaemonSettings(Section):
@@ -94,7 +103,8 @@ class Settings(BaseSettings):
 
     redis_url: str = DEFAULT_REDIS_URL
     """Redis URL (redis://, rediss://, unix://; redis+sentinel://host:port,.../service/db
-    or rediss+sentinel:// for a master behind Sentinel; see also [sentinel])."""
+    or rediss+sentinel:// for a master behind Sentinel, see also [sentinel];
+    redis+cluster://host:port,... or rediss+cluster:// for a Redis Cluster)."""
     key_prefix: str = Field("batchd", min_length=1)
     """Prefix of every Redis key."""
     model: str | None = None
@@ -104,6 +114,7 @@ class Settings(BaseSettings):
         min_length=1,
     )
     """Queues (streams <prefix>:queue:<name>) the daemon consumes."""
+    queue: QueueSettings = Field(default_factory=QueueSettings)
     result_ttl_s: int = Field(86400, ge=1)
     """Seconds a finished job's events and status are kept."""
     log_level: str = "INFO"
@@ -126,6 +137,8 @@ class Settings(BaseSettings):
             raise ValueError("must start with " + ", ".join(SCHEMES))
         if is_sentinel_url(value):
             parse_sentinel_url(value)  # ValueError naming the bad part
+        if is_cluster_url(value):
+            parse_cluster_url(value)
         return value
 
     @field_validator("engine", mode="before")

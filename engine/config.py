@@ -17,6 +17,10 @@ ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE = ("off", "ngram", "draft")
+# The forward backends and samplers (batchd.engine.forward.backend; not imported here:
+# this module loads no MLX).
+FORWARD_BACKENDS = ("auto", "mlx", "native_cpu")
+SAMPLERS = ("auto", "device", "host")
 
 
 @dataclass(kw_only=True)
@@ -148,7 +152,26 @@ class EngineConfig:
     evicting the least recently used one no running request uses (one in use is
     never evicted: the cache may then hold more, until they finish)."""
 
+    forward_backend: str = "auto"
+    """What computes a step's logits: ``mlx`` (MLX ops on MLX's device: Metal, CUDA or
+    the CPU), ``native_cpu`` (the C kernels: an x86 CPU, float32 models, a float KV
+    pool; refused at start where they cannot run) or ``auto`` (native_cpu where it
+    can run and ``BATCHD_NATIVE_ATTENTION`` is not 0, else mlx). The choice and why are
+    logged at start and shown by ``batchd doctor``. docs/engine.md, "Forward backends"."""
+
+    sampler: str = "auto"
+    """Where a step's logits are sampled: ``device`` (MLX ops where the logits are, one
+    wait a step for the chosen ids), ``host`` (the logits copied out and sampled with
+    NumPy, the engine's earlier way) or ``auto`` (device for the mlx backend, host for
+    native_cpu). Seeded draws may differ between the two at a near-tie (docs/engine.md,
+    "Forward backends")."""
+
     def __post_init__(self) -> None:
+        backend = self.forward_backend
+        _require(
+            "forward_backend", backend, backend in FORWARD_BACKENDS, f"one of {FORWARD_BACKENDS}"
+        )
+        _require("sampler", self.sampler, self.sampler in SAMPLERS, f"one of {SAMPLERS}")
         _require("max_num_seqs", self.max_num_seqs, _positive_int(self.max_num_seqs), ">= 1")
         budget = self.max_num_batched_tokens
         _require("max_num_batched_tokens", budget, _positive_int(budget), ">= 1")

@@ -31,6 +31,7 @@ from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.detokenizer import TokenTexts, special_token_ids
 from batchd.engine.exceptions import InvalidRequest
 from batchd.engine.forward import kv_quant
+from batchd.engine.forward.backend import choose as choose_backend
 from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.kv_pool import KVPool, size_pool
 from batchd.engine.forward.model_runner import ModelRunner
@@ -39,7 +40,8 @@ from batchd.engine.models.loader import LoadedModel, load
 from batchd.engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
 from batchd.engine.prompt import encode_prompt
 from batchd.engine.request_state import RequestState, TokenVerdict
-from batchd.engine.sampler import SampleRow, sample
+from batchd.engine.sampler import SampleRow, Samples
+from batchd.engine.sampling.samplers import make_sampler
 from batchd.engine.sampling_params import SamplingParams
 from batchd.engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
 from batchd.engine.scheduling.scheduler import Scheduler
@@ -83,11 +85,22 @@ class LLMEngine:
         self.pool = KVPool(
             loaded.spec, num_blocks=num_blocks, block_size=config.block_size, quant=quant
         )
+        # The forward backend and where its logits are sampled, chosen once (docs/engine.md,
+        # "Forward backends").
+        self.backend = choose_backend(
+            config.forward_backend,
+            config.sampler,
+            dtype=loaded.spec.dtype,
+            quantized_kv=quant is not None,
+            generic=loaded.spec.generic,
+        )
+        log.info("forward backend: %s", self.backend.describe())
+        self.sampler = make_sampler(self.backend.sampler)
         # The specialised runner for the families it covers, mlx-lm's own forward otherwise.
         self.runner: ModelRunner | GenericRunner = (
             GenericRunner(loaded.model, loaded.spec, self.pool)
             if loaded.spec.generic
-            else ModelRunner(loaded.model, loaded.spec, self.pool)
+            else ModelRunner(loaded.model, loaded.spec, self.pool, backend=self.backend)
         )
         self.scheduler = Scheduler(
             config,
@@ -285,49 +298,62 @@ class LLMEngine:
         sampling = [c for c in scheduled.chunks if c.samples]
         targets = self._prompt_targets(scheduled.chunks)
         logits, scores = self.runner.execute_scored(scheduled.chunks, targets)
-        if isinstance(logits, mx.array):
-            # The grammar masks are built while the forward runs.
-            mx.async_eval(logits)  # type: ignore[no-untyped-call]
-        allowed = self._grammar_masks(sampling)
-        host = None
-        if isinstance(logits, mx.array):
-            host = np.array(logits.astype(mx.float32))
-        elif logits is not None:
-            host = logits
-        for i, score in scores.items():
-            chunk = scheduled.chunks[i]
-            values = self._prompt_logprobs[chunk.seq.seq_id]
-            values[chunk.start : chunk.start + len(targets[i])] = np.array(score).tolist()
-        forward_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
         drafted = accepted = 0
-        if host is None:
+        overlap_s = wait_s = 0.0
+        if logits is None:
+            forward_s = time.perf_counter() - start
+            self._keep_prompt_logprobs(scheduled, scores, targets)
             self.scheduler.update(scheduled, {})
         else:
-            outputs, drafted, accepted = self._sample_and_emit(scheduled, sampling, host, allowed)
+            # Evaluation starts now; the host builds the step's sample rows (grammar
+            # masks, penalties) while the device computes, then waits once.
+            extra = list(scores.values())
+            self.sampler.begin(logits, extra)
+            launched = time.perf_counter()
+            self.sampler.prepare(self._sample_rows(sampling))
+            overlap_s = time.perf_counter() - launched
+            samples = self.sampler.sample()
+            wait_s = self.sampler.wait_s
+            forward_s = time.perf_counter() - start
+            self._keep_prompt_logprobs(scheduled, scores, targets)
+            outputs, drafted, accepted = self._emit(scheduled, sampling, samples)
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.last_step_stats = self._stats(
-            scheduled, start, forward_s, len(outputs), drafted, accepted
+            scheduled, start, forward_s, len(outputs), drafted, accepted, (overlap_s, wait_s)
         )
         return outputs
 
-    def _sample_and_emit(
+    def _keep_prompt_logprobs(
         self,
         scheduled: SchedulerOutput,
-        sampling: list[ScheduledChunk],
-        host: np.ndarray,
-        allowed: dict[str, np.ndarray],
-    ) -> tuple[list[RequestOutput], int, int]:
-        """Sample every logits row, keep each verify chunk's accepted run, update the
-        scheduler and emit; the outputs, proposed and accepted draft tokens."""
+        scores: dict[int, mx.array],
+        targets: dict[int, list[int]],
+    ) -> None:
+        """The step's prompt logprobs (evaluated already) into their requests' lists."""
+        for i, score in scores.items():
+            chunk = scheduled.chunks[i]
+            values = self._prompt_logprobs[chunk.seq.seq_id]
+            values[chunk.start : chunk.start + len(targets[i])] = np.asarray(score).tolist()
+
+    def _sample_rows(self, sampling: list[ScheduledChunk]) -> list[SampleRow]:
+        """Every logits row's sampling inputs, in row order (a verify chunk has one per
+        proposed token and one more)."""
+        allowed = self._grammar_masks(sampling)
         rows: list[SampleRow] = []
         for c in sampling:
             if c.draft:
                 rows.extend(self._verify_rows(c.seq, len(c.draft)))
             else:
                 rows.append(self._sample_row(c.seq, allowed.get(c.seq.seq_id)))
-        samples = sample(host, rows)
+        return rows
+
+    def _emit(
+        self, scheduled: SchedulerOutput, sampling: list[ScheduledChunk], samples: Samples
+    ) -> tuple[list[RequestOutput], int, int]:
+        """Keep each verify chunk's accepted run, update the scheduler and emit; the
+        outputs, proposed and accepted draft tokens."""
         ids = samples.token_ids
         sampled: dict[str, int | list[int]] = {}
         emitted: list[tuple[ScheduledChunk, int, int]] = []  # chunk, first row, count
@@ -513,6 +539,7 @@ class LLMEngine:
         num_outputs: int,
         drafted: int = 0,
         accepted: int = 0,
+        overlap: tuple[float, float] = (0.0, 0.0),
     ) -> StepStats:
         sched = self.scheduler
         bm = sched.block_manager
@@ -537,6 +564,8 @@ class LLMEngine:
             num_accepted_tokens=accepted,
             num_draft_tokens_total=self.num_draft_tokens,
             num_accepted_tokens_total=self.num_accepted_tokens,
+            host_overlap_s=overlap[0],
+            sync_wait_s=overlap[1],
             chunks=[
                 ChunkStat(
                     c.seq.request_id,

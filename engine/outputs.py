@@ -100,6 +100,10 @@ class StepStats:
     num_accepted_tokens: int = 0
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
+    # Host time spent building the step's sample rows while the device computed its
+    # forward (hidden under device time), and time then spent waiting for the device.
+    host_overlap_s: float = 0.0
+    sync_wait_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -24,7 +24,13 @@ from batchd.producers.schema import (
     now,
     validate_job,
 )
-from batchd.producers.transact import CancelPlan, SubmitManyPlan, SubmitPlan
+from batchd.producers.transact import (
+    CancelPlan,
+    SubmitManyCall,
+    SubmitManyPlan,
+    SubmitPlan,
+    by_partition,
+)
 
 ConnectionT = TypeVar("ConnectionT")
 # What submitting gives: a job handle, or (asyncio) an awaitable of one.
@@ -52,8 +58,13 @@ class ClientBase(ABC, Generic[SubmittedT]):
     hash nor an event waits before raising JobNotFound. ``replicas`` above 0: a submit
     returns once that many replicas hold it (Redis ``WAIT`` on the submit's connection,
     up to ``replicas_timeout_ms``), so a failover cannot lose it; NotReplicated when
-    fewer confirm in time.
+    fewer confirm in time. On Redis Cluster the WAIT goes to the primary that took each
+    partition's script (the sync client only: see :class:`~batchd.producers.aio.AsyncClient`).
     """
+
+    # Whether the client talks to a Redis Cluster (set by the subclass once connected):
+    # a read over several partitions' keys must then be split by slot.
+    cluster = False
 
     def __init__(
         self,
@@ -67,7 +78,11 @@ class ClientBase(ABC, Generic[SubmittedT]):
         replicas: int = 0,
         replicas_timeout_ms: int = 1000,
     ) -> None:
-        self.keys = Keys(prefix)
+        self.prefix = prefix
+        # The deployment's key names, read from Redis by the first command that needs one
+        # (:mod:`batchd.producers.connection.layout`): a count assumed here could add jobs
+        # no daemon reads.
+        self._keys: Keys | None = None
         self.queue = check_name("queue", queue)
         self.limits = limits
         self.block_ms = block_ms
@@ -91,8 +106,19 @@ class ClientBase(ABC, Generic[SubmittedT]):
         """A new connection pool for a URL; a given connection after checking its timeout."""
         if isinstance(redis_url, str):
             return from_url(redis_url, **self.connection_options())
-        self.check_connection(redis_url.connection_pool.connection_kwargs)  # type: ignore[attr-defined]
+        self.check_connection(_connection_kwargs(redis_url))
         return redis_url
+
+    @property
+    def keys(self) -> Keys:
+        """The deployment's key names; the sync client reads them on first use, the async
+        one in its first command (:meth:`~batchd.producers.aio.AsyncClient.layout`)."""
+        if self._keys is None:
+            raise RuntimeError(
+                "the key layout is not read yet: await client.layout() first (every "
+                "AsyncClient command does)"
+            )
+        return self._keys
 
     def check_connection(self, connection_kwargs: Mapping[str, Any]) -> None:
         timeout = connection_kwargs.get("socket_timeout")
@@ -158,9 +184,10 @@ class ClientBase(ABC, Generic[SubmittedT]):
 
     def plan_submit_many(
         self, jobs: Iterable[JobLike], queue: str | None, *, attach: bool
-    ) -> SubmitManyPlan:
-        """The one script call of a submit_many() call; every job is validated (and given
-        an id) before anything is sent. Raises ValidationError naming the job."""
+    ) -> SubmitManyCall:
+        """The script calls of a submit_many() call, one per partition its jobs fall in;
+        every job is validated (and given an id) before anything is sent. Raises
+        ValidationError naming the job."""
         payloads: dict[str, bytes] = {}
         lowest = 1  # the priority lane when every job has priority > 0
         for index, job in enumerate(jobs):
@@ -182,17 +209,33 @@ class ClientBase(ABC, Generic[SubmittedT]):
         if not payloads:
             raise ValidationError("jobs", "no job to submit")
         name = lane(self.queue_name(queue), lowest)
-        return SubmitManyPlan.make(
-            self.keys, list(payloads.items()), name, self.initial_status(name), attach=attach
-        )
+        status = self.initial_status(name)
+        parts = [
+            SubmitManyPlan.make(self.keys, group, name, status, attach=attach)
+            for group in by_partition(self.keys, list(payloads.items()))
+        ]
+        return SubmitManyCall(list(payloads), name, parts, attach)
 
-    def check_submitted_many(self, plan: SubmitManyPlan, reply: Any) -> list[tuple[str, str]]:
-        """Each job's id and queue, in order; raises ValidationError on ``id`` when a job
-        existed before (the call then wrote nothing)."""
-        clash = plan.clash(reply)
+    def check_not_submitted(self, call: SubmitManyCall, held: list[Any]) -> None:
+        """Raise ValidationError on ``id`` when a job of ``call`` exists (``held``: the
+        HMGET of :attr:`SubmitManyCall.checked` of each job's status hash)."""
+        clash = call.existing(held)
         if clash is not None:
             raise self.duplicate(*clash)
-        return [(job_id, plan.queue) for job_id in plan.job_ids]
+
+    def check_submitted_many(
+        self, call: SubmitManyCall, replies: list[Any]
+    ) -> list[tuple[str, str]]:
+        """Each job's id and queue, in call order; raises ValidationError on ``id`` when a
+        job existed before (its partition's script then wrote nothing: see
+        :meth:`~batchd.producers.client.Client.submit_many` for the others')."""
+        for index, (part, reply) in enumerate(zip(call.parts, replies, strict=True)):
+            clash = part.clash(reply)
+            if clash is not None:
+                sent = [job_id for done in call.parts[:index] for job_id in done.job_ids]
+                note = f"; the call's jobs of other partitions were queued: {sent}" if sent else ""
+                raise self.duplicate(*clash, note=note)
+        return [(job_id, call.queue) for job_id in call.job_ids]
 
     def check_submitted(
         self, plan: SubmitPlan, reply: Any, idempotent: bool, key_id: str | None = None
@@ -222,12 +265,14 @@ class ClientBase(ABC, Generic[SubmittedT]):
         status = JobStatus(state=JobState.queued, queue=queue, queued_at=now(), key_id=key_id)
         return status.to_hash()
 
-    def duplicate(self, job_id: str, state: bytes | str | None) -> ValidationError:
+    def duplicate(
+        self, job_id: str, state: bytes | str | None, *, note: str = ""
+    ) -> ValidationError:
         shown = state.decode() if isinstance(state, bytes) else state
         return ValidationError(
             "id",
             f"job {job_id} was already submitted (state {shown or 'unknown'}); "
-            "pass idempotent=True to attach to it",
+            f"pass idempotent=True to attach to it{note}",
             value=job_id,
         )
 
@@ -250,12 +295,23 @@ class ClientBase(ABC, Generic[SubmittedT]):
     def follower(self, *, timeout: float | None = None) -> Follower:
         return Follower(
             self.keys,
+            cluster=self.cluster,
             block_ms=self.block_ms,
             status_interval_s=self.block_ms / 1000,
             reconnect_timeout_s=self.reconnect_timeout_s,
             timeout=timeout,
             missing_timeout_s=self.missing_timeout_s,
         )
+
+
+def _connection_kwargs(client: Any) -> Mapping[str, Any]:
+    """The connection keywords of a given client: its pool's, or a cluster client's (sync:
+    its nodes manager's; asyncio: its own)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return pool.connection_kwargs
+    manager = getattr(client, "nodes_manager", None)
+    return getattr(manager, "connection_kwargs", None) or client.connection_kwargs
 
 
 ClientT = TypeVar("ClientT")

@@ -12,26 +12,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
+from redis.exceptions import MovedError
 
 from batchd.config.limits import DEFAULT_REDIS_URL
 from batchd.producers.base import ClientBase, HandleBase, JobLike
-from batchd.producers.connection import redis_client
+from batchd.producers.connection import is_cluster, keys_for, redis_client, reread_cluster
 from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
-from batchd.producers.keys import check_name
+from batchd.producers.keys import Keys, check_name
 from batchd.producers.result import JobResult, collect
 from batchd.producers.schema import Event, JobStatus
 from batchd.producers.transact import CANCEL, SUBMIT, SUBMIT_MANY, CancelPlan
+
+# A script call: the script, its keys, its arguments.
+ScriptCall = tuple[Script, list[Any], list[Any]]
+# How often a cluster submit that waits for replicas is sent again after MOVED (its
+# slot moved between the lookup and the call): redis-py's own retries do not see it.
+MOVED_RETRIES = 3
 
 
 class Client(ClientBase["JobHandle"]):
     """Producer side of batchd over one Redis connection pool (thread-safe).
 
-    ``redis_url`` is a URL (``redis+sentinel://`` for a master behind Sentinel) or an
-    existing ``redis.Redis`` (its socket timeout
+    ``redis_url`` is a URL (``redis+sentinel://`` for a master behind Sentinel,
+    ``redis+cluster://`` for a Redis Cluster) or an existing ``redis.Redis`` or
+    ``RedisCluster`` (its socket timeout
     must exceed ``block_ms``). See :class:`~batchd.producers.base.ClientBase` for the
     other options.
     """
@@ -39,12 +49,32 @@ class Client(ClientBase["JobHandle"]):
     def __init__(self, redis_url: str | redis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
         super().__init__(**options)
         self.redis: redis.Redis = self.connect(redis_url, redis_client)
+        self.cluster = is_cluster(self.redis)
         self._submit = self.redis.register_script(SUBMIT)
         self._submit_many = self.redis.register_script(SUBMIT_MANY)
         self._cancel = self.redis.register_script(CANCEL)
 
+    @property
+    def keys(self) -> Keys:
+        """The deployment's key names, read from Redis on first use."""
+        if self._keys is None:
+            self._keys = keys_for(self.redis, self.prefix)
+        return self._keys
+
     def close(self) -> None:
         self.redis.close()
+
+    @contextmanager
+    def _rereading(self) -> Iterator[None]:
+        """Commands after which a cluster node found unreachable makes the client read
+        the cluster's slots again (:func:`reread_cluster`), so that a retry reaches the
+        replica promoted in its place: a pipeline's, or one sent to a node's own client
+        (the cluster client does it for its other commands)."""
+        try:
+            yield
+        except redis.RedisError as exc:
+            reread_cluster(self.redis, exc)
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -61,7 +91,7 @@ class Client(ClientBase["JobHandle"]):
         key_id: str | None = None,
     ) -> JobHandle:
         plan = self.plan_submit(job, queue, key_id)
-        reply, acked = self._write(self._submit, plan.keys, plan.args)
+        [reply], acked = self._write([(self._submit, plan.keys, plan.args)])
         handle = JobHandle(self, *self.check_submitted(plan, reply, idempotent, key_id))
         self.check_replicated(acked, [plan.job_id])
         return handle
@@ -77,23 +107,46 @@ class Client(ClientBase["JobHandle"]):
         was already submitted raises ValidationError on ``id`` and nothing is enqueued,
         unless ``idempotent`` (its handle then attaches to it). At most
         MAX_SUBMIT_MANY jobs a call.
+
+        With a partitioned layout (:mod:`batchd.producers.keys`) the jobs go in one script
+        per partition, each job's order kept within its partition (daemons read the
+        partitions side by side), after one read of every job's status hash (see
+        :class:`~batchd.producers.transact.SubmitManyCall`): a job submitted by someone
+        else between that read and its partition's script raises ValidationError
+        naming the jobs of the partitions already queued.
         """
-        plan = self.plan_submit_many(jobs, queue, attach=idempotent)
-        reply, acked = self._write(self._submit_many, plan.keys, plan.args)
-        handles = [JobHandle(self, *job) for job in self.check_submitted_many(plan, reply)]
-        self.check_replicated(acked, plan.job_ids)
+        call = self.plan_submit_many(jobs, queue, attach=idempotent)
+        if call.checks_first:
+            with self._rereading(), self.redis.pipeline(transaction=False) as pipe:
+                for job_id in call.job_ids:
+                    pipe.hmget(self.keys.job(job_id), call.checked)
+                self.check_not_submitted(call, pipe.execute())
+        writes = [(self._submit_many, part.keys, part.args) for part in call.parts]
+        replies, acked = self._write(writes)
+        handles = [JobHandle(self, *job) for job in self.check_submitted_many(call, replies)]
+        self.check_replicated(acked, call.job_ids)
         return handles
 
-    def _write(self, script: Script, keys: list[Any], args: list[Any]) -> tuple[Any, int | None]:
-        """A submit script's reply, and with ``replicas`` the replicas that confirmed it
-        (WAIT on the same connection, so it waits for this write)."""
+    def _write(self, calls: list[ScriptCall]) -> tuple[list[Any], int | None]:
+        """Each submit script's reply, and with ``replicas`` the fewest replicas that
+        confirmed one (WAIT on the connection that ran it, so it waits for that write).
+        One round trip on a single Redis; on a Cluster one per script, each on the
+        primary of its partition's slot."""
+        if self.cluster:
+            with self._rereading():
+                return replicated(self.redis, calls, self.replicas, self.replicas_timeout_ms)
+        if len(calls) == 1 and not self.replicas:
+            script, keys, args = calls[0]
+            return [script(keys=keys, args=args)], None
+        with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                script(keys=keys, args=args, client=pipe)
+            if self.replicas:
+                pipe.wait(self.replicas, self.replicas_timeout_ms)
+            replies = pipe.execute()
         if not self.replicas:
-            return script(keys=keys, args=args), None
-        pipe = self.redis.pipeline(transaction=False)
-        script(keys=keys, args=args, client=pipe)
-        pipe.wait(self.replicas, self.replicas_timeout_ms)
-        reply, acked = pipe.execute()
-        return reply, int(acked)
+            return replies, None
+        return replies[:-1], int(replies[-1])
 
     def handle(self, job_id: str, *, queue: str | None = None) -> JobHandle:
         """A handle on a job submitted elsewhere (by id)."""
@@ -148,6 +201,48 @@ class JobHandle(HandleBase["Client"]):
         return self.client.status(self.id)
 
 
+def replicated(
+    cluster: redis.Redis, calls: list[ScriptCall], replicas: int, timeout_ms: int
+) -> tuple[list[Any], int | None]:
+    """Run submit scripts on a Redis Cluster, one at a time; with ``replicas``, each in a
+    pipeline with WAIT on a connection to its slot's primary (WAIT counts the replicas
+    that hold the writes of its own connection, so it cannot ride the cluster client,
+    which may pick another). The replies, and the fewest replicas that confirmed one."""
+    replies: list[Any] = []
+    acked: int | None = None
+    for script, keys, args in calls:
+        if not replicas:
+            replies.append(script(keys=keys, args=args))
+            continue
+        reply, count = _waited(cluster, (script, keys, args), replicas, timeout_ms)
+        replies.append(reply)
+        acked = count if acked is None else min(acked, count)
+    return replies, acked
+
+
+def _waited(
+    cluster: redis.Redis, call: ScriptCall, replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    """One script then WAIT on one primary's connection; sent again (the script is
+    idempotent by its submit token) when the slot moved under it."""
+    nodes: RedisCluster = cluster  # type: ignore[assignment]
+    script, keys, args = call
+    moved = 0
+    while True:
+        primary = nodes.get_redis_connection(nodes.get_node_from_key(keys[0]))
+        try:
+            with primary.pipeline(transaction=False) as pipe:
+                script(keys=keys, args=args, client=pipe)
+                pipe.wait(replicas, timeout_ms)
+                reply, count = pipe.execute()
+            return reply, int(count)
+        except MovedError:
+            moved += 1
+            if moved > MOVED_RETRIES:
+                raise
+            nodes.nodes_manager.initialize()
+
+
 def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
     """Drive a :class:`~batchd.producers.follow.Follower` plan with blocking I/O."""
     driver = PlanDriver(follower.plan())
@@ -160,4 +255,5 @@ def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
             try:
                 driver.answered(issue(connection, step))
             except COMMAND_ERRORS as exc:
+                reread_cluster(connection, exc)
                 driver.failed(exc)

@@ -18,9 +18,15 @@ the status says the job is over, it reads the stream once more (the daemon
 writes the final event before the status) and, if there is still no final
 event, makes one from the status.
 
+On a Redis Cluster one XREAD reaches the keys of one hash slot only, and a
+server blocks on its own streams alone: the jobs of several partitions are read
+with one non-blocking XREAD per partition, pipelined (:class:`ReadEach`), and
+when none had news the follower blocks on one partition at a time, for at most
+``SPLIT_BLOCK_MS``, taking the partitions in turn.
+
 The logic is a plan: a generator that yields Redis commands (:class:`Read`,
-:class:`FetchStatus`, :class:`Pause`) and receives their replies, or yields a
-:class:`Delivery`. The sync client, the async client and the bulk runner
+:class:`ReadEach`, :class:`FetchStatus`, :class:`Pause`) and receives their
+replies, or yields a :class:`Delivery`. The sync client, the async client and the bulk runner
 drive the same plan, each with its own I/O.
 """
 
@@ -39,8 +45,19 @@ from batchd.producers.keys import EVENT_FIELD, Keys, event_id, seq_of
 from batchd.producers.schema import Event, FinishReason, JobState, JobStatus
 
 READ_COUNT = 512
+# The longest block of a read split by partition on a Cluster: news on another
+# partition waits at most this long.
+SPLIT_BLOCK_MS = 100
+# What a Redis Cluster answers while it changes hands (CLUSTERDOWN while a slot has no
+# primary yet, the cluster client's redirections used up, a migrating slot's TRYAGAIN, a
+# slot missing from the client's map): waited out like a dropped connection.
+CLUSTER_CHANGING = (
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
 # What a dropped or restarting Redis raises, sync and async alike.
-RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError, *CLUSTER_CHANGING)
 # What a command of a plan can raise that the plan's driver decides about.
 COMMAND_ERRORS = (*RECONNECT_ERRORS, redis.ResponseError)
 
@@ -72,6 +89,13 @@ class Read:
 
 
 @dataclass(frozen=True)
+class ReadEach:
+    """Several non-blocking :class:`Read` steps in one pipeline; the reply merges them."""
+
+    reads: list[Read]
+
+
+@dataclass(frozen=True)
 class FetchStatus:
     """HGETALL each status hash; the reply is one dict per key, in order."""
 
@@ -90,7 +114,7 @@ class Delivery(NamedTuple):
     event: Event
 
 
-Step = Read | FetchStatus | Pause | Delivery
+Step = Read | ReadEach | FetchStatus | Pause | Delivery
 
 
 class EventCursor:
@@ -172,11 +196,13 @@ class Follower:
 
     A job leaves the set once its final event is delivered; a consumer may
     :meth:`add` jobs while a delivery is being handled. ``timeout`` (seconds,
-    from now) bounds the whole follow and raises JobTimeout.
+    from now) bounds the whole follow and raises JobTimeout. ``cluster``: the reads
+    go to a Redis Cluster, so they are split by partition (see the module's doc).
     """
 
     keys: Keys
     _: KW_ONLY
+    cluster: bool = False
     block_ms: int = 1000
     status_interval_s: float = 1.0
     reconnect_timeout_s: float = 60.0
@@ -185,6 +211,8 @@ class Follower:
     missing_timeout_s: float = 10.0
     deadline: float | None = field(init=False)
     cursors: dict[str, EventCursor] = field(init=False, default_factory=dict)
+    # The partition a split read blocks on next (taken in turn).
+    _turn: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -214,8 +242,7 @@ class Follower:
                     hashes = yield FetchStatus([c.status_key for c in due])
                     catching_up = self._note_status(due, hashes)
                     continue
-                streams = {key: c.last_id for key, c in self.cursors.items()}
-                reply = yield Read(streams, None if catching_up else block_ms)
+                reply = yield from self._read(None if catching_up else block_ms)
             except RECONNECT_ERRORS as exc:
                 catching_up = True
                 yield Pause(outage.failed(exc))
@@ -226,6 +253,24 @@ class Follower:
                 deliveries += self._end_from_status()
                 catching_up = False
             yield from deliveries
+
+    def _read(self, block_ms: int | None) -> Generator[Step, Any, dict[str, list[Any]]]:
+        """Every followed stream from its cursor on: one XREAD, or on a Cluster one per
+        partition (blocking, when nothing came, on one partition, briefly)."""
+        groups: dict[int, dict[str, str]] = {}
+        for key, cursor in self.cursors.items():
+            part = self.keys.partition(cursor.job_id) if self.cluster else 0
+            groups.setdefault(part, {})[key] = cursor.last_id
+        if len(groups) == 1:
+            reply: dict[str, list[Any]] = yield Read(next(iter(groups.values())), block_ms)
+            return reply
+        streams = [groups[part] for part in sorted(groups)]
+        reply = yield ReadEach([Read(group, None) for group in streams])
+        if reply or block_ms is None:
+            return reply
+        self._turn = (self._turn + 1) % len(streams)
+        reply = yield Read(streams[self._turn], min(block_ms, SPLIT_BLOCK_MS))
+        return reply
 
     def _block_ms(self) -> int:
         if self.deadline is None:
@@ -312,26 +357,34 @@ class PlanDriver:
         return self._step
 
     def answered(self, reply: Any) -> None:
-        self._reply = read_reply(reply) if isinstance(self._step, Read) else reply
+        if isinstance(self._step, Read):
+            reply = read_reply(reply)
+        elif isinstance(self._step, ReadEach):
+            reply = {key: entries for one in reply for key, entries in read_reply(one).items()}
+        self._reply = reply
 
     def failed(self, error: BaseException) -> None:
         """One of COMMAND_ERRORS: a reconnect error (an UNBLOCKED read among them) makes
         the plan pause and catch up from the last seq; any other is raised."""
-        if isinstance(error, redis.ResponseError) and isinstance(self._step, Read):
+        if isinstance(error, redis.ResponseError) and isinstance(self._step, Read | ReadEach):
             error = interrupted_read(error)
         if not isinstance(error, RECONNECT_ERRORS):
             raise error
         self._error = error
 
 
-def issue(connection: Any, step: Read | FetchStatus) -> Any:
+def issue(connection: Any, step: Read | ReadEach | FetchStatus) -> Any:
     """Send ``step``'s command on a redis-py connection, blocking or asyncio: the reply,
     or an awaitable of it (both clients have the same method names)."""
     if isinstance(step, Read):
         return connection.xread(step.streams, count=step.count, block=step.block_ms)
     pipe = connection.pipeline(transaction=False)
-    for key in step.keys:
-        pipe.hgetall(key)
+    if isinstance(step, ReadEach):
+        for read in step.reads:
+            pipe.xread(read.streams, count=read.count)
+    else:
+        for key in step.keys:
+            pipe.hgetall(key)
     return pipe.execute()
 
 

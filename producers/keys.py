@@ -13,15 +13,30 @@ batchd:job:<id>:tokens          channel     the same Event JSON, PUBLISHed (late
 batchd:cancel                   stream      cancellation requests: entries ``id <job id>``
 batchd:daemon:<consumer>        string      heartbeat JSON of a live daemon, with a TTL
 batchd:dead                     stream      dead letters: ``id``, ``queue``, ``error``, ``payload``
+batchd:layout                   string      the key layout, JSON ``{"partitions": N}`` (absent: 1)
 ==============================  ==========  =============================================
+
+**Partitioned layouts** (a queue of N > 1 partitions, or any layout on Redis Cluster):
+every script touches a job's keys together with a queue stream, and Cluster runs a script
+only on keys of one hash slot. So each of those names carries the hash tag of one of N
+partitions, ``batchd:{<tag>}:queue:<queue>``, ``batchd:{<tag>}:job:<id>`` (and its
+``:events``, ``:tokens``), ``batchd:{<tag>}:cancel``, ``batchd:{<tag>}:dead``. A job
+belongs to partition ``crc32(id) mod N``; partition k's tag is the first string
+``<k>.<j>`` (j = 0, 1, ...) whose hash slot lies in the k-th of N equal ranges of the
+16384 slots, so the partitions spread over a cluster's primaries as its slots do. Anyone
+who knows the id and N finds the job's keys (docs/cluster.md has the rule for other
+languages). The heartbeat, control and layout keys are read one at a time and carry no tag.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TypeGuard
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from batchd.config.limits import NAME_PATTERN
 from batchd.producers.errors import ValidationError
@@ -78,6 +93,10 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+# The most partitions a queue may have: every daemon reads each partition of its queues.
+MAX_PARTITIONS = 64
+
+
 @dataclass(frozen=True)
 class _Fixed:
     """A name that depends on the prefix alone: ``<prefix>:<suffix>``."""
@@ -90,33 +109,131 @@ class _Fixed:
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names under one prefix; every producer and daemon builds names here."""
+    """Key names under one prefix and layout; every producer and daemon builds names here.
+
+    ``partitions`` is the number of partitions of every queue; ``tagged`` gives the
+    partitioned names (see the module's docstring): true on Redis Cluster, and whenever
+    ``partitions`` is above 1. The default, one untagged partition, is the layout of a
+    single Redis (and of a Sentinel deployment's master).
+    """
 
     prefix: str = DEFAULT_PREFIX
+    partitions: int = 1
+    tagged: bool = False
+    # Per partition: what its names start with, ``<prefix>:`` or ``<prefix>:{<tag>}:``.
+    _heads: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
-    cancel = _Fixed("cancel")
-    dead = _Fixed("dead")
-    # What every queue stream's name starts with (the name follows).
-    queue_prefix = _Fixed("queue:")
-    # PSUBSCRIBE pattern of every job's token channel.
-    tokens_pattern = _Fixed("job:*:tokens")
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be 1..{MAX_PARTITIONS}, not {self.partitions}")
+        if self.partitions > 1 and not self.tagged:
+            object.__setattr__(self, "tagged", True)
+        heads = tuple(
+            f"{self.prefix}:{{{partition_tag(k, self.partitions)}}}:"
+            if self.tagged
+            else f"{self.prefix}:"
+            for k in range(self.partitions)
+        )
+        object.__setattr__(self, "_heads", heads)
+
+    def head(self, partition: int) -> str:
+        """What partition ``partition``'s names start with, ``<prefix>:`` or
+        ``<prefix>:{<tag>}:``: a name built on it lies in the partition's hash slot."""
+        return self._heads[partition]
+
+    layout = _Fixed("layout")
     # SCAN pattern of every live daemon's heartbeat key.
     daemon_pattern = _Fixed("daemon:*")
 
     # Every name a caller passes is checked here, so no id can reach into another job's
     # keys (``X:events`` is job X's events stream) whoever builds the key.
 
-    def queue(self, name: str = DEFAULT_QUEUE) -> str:
-        return f"{self.queue_prefix}{check_name('queue', name)}"
+    def partition(self, job_id: str) -> int:
+        """The partition job ``job_id`` belongs to: ``crc32(id) mod partitions``."""
+        if self.partitions == 1:
+            return 0
+        return zlib.crc32(check_name("id", job_id).encode()) % self.partitions
+
+    def queue(self, name: str = DEFAULT_QUEUE, partition: int = 0) -> str:
+        """Partition ``partition`` of queue ``name`` (the queue itself when unpartitioned)."""
+        return f"{self._heads[partition]}queue:{check_name('queue', name)}"
+
+    def queue_for(self, name: str, job_id: str) -> str:
+        """The partition of queue ``name`` that job ``job_id`` is added to."""
+        return self.queue(name, self.partition(job_id))
+
+    def queue_partitions(self, name: str = DEFAULT_QUEUE) -> list[str]:
+        """Every partition's stream of queue ``name``."""
+        return [self.queue(name, k) for k in range(self.partitions)]
+
+    def queue_name(self, stream: bytes | str) -> tuple[str, int] | None:
+        """``(queue, partition)`` of a queue stream's name; None for any other key."""
+        text = stream.decode() if isinstance(stream, bytes) else stream
+        for k, head in enumerate(self._heads):
+            start = f"{head}queue:"
+            if text.startswith(start) and is_name(name := text[len(start) :]):
+                return name, k
+        return None
+
+    def queue_patterns(self) -> list[str]:
+        """SCAN patterns matching every queue stream (one per partition)."""
+        return [f"{_glob_escape(head)}queue:*" for head in self._heads]
+
+    @property
+    def cancel(self) -> str:
+        """The cancellation stream of partition 0 (the only one when unpartitioned)."""
+        return self.cancel_stream(0)
+
+    def cancel_stream(self, partition: int) -> str:
+        return f"{self._heads[partition]}cancel"
+
+    def cancel_for(self, job_id: str) -> str:
+        """The cancellation stream a cancel of ``job_id`` is added to (its partition's)."""
+        return self.cancel_stream(self.partition(job_id))
+
+    def cancel_streams(self) -> list[str]:
+        return [self.cancel_stream(k) for k in range(self.partitions)]
+
+    @property
+    def dead(self) -> str:
+        """The dead-letter stream of partition 0 (the only one when unpartitioned)."""
+        return self.dead_stream(0)
+
+    def dead_stream(self, partition: int) -> str:
+        return f"{self._heads[partition]}dead"
+
+    def dead_for(self, job_id: str) -> str:
+        return self.dead_stream(self.partition(job_id))
+
+    def dead_streams(self) -> list[str]:
+        return [self.dead_stream(k) for k in range(self.partitions)]
+
+    @property
+    def tokens_pattern(self) -> str:
+        """PSUBSCRIBE pattern of every job's token channel (Cluster's sharded channels
+        have no pattern subscriptions)."""
+        return f"{self.prefix}:{{*}}:job:*:tokens" if self.tagged else f"{self.prefix}:job:*:tokens"
 
     def job(self, job_id: str) -> str:
-        return _job_key(self.prefix, job_id)
+        return _job_key(self._job_head(job_id), job_id)
 
     def events(self, job_id: str) -> str:
-        return _job_key(self.prefix, job_id, ":events")
+        return _job_key(self._job_head(job_id), job_id, ":events")
 
     def tokens(self, job_id: str) -> str:
-        return _job_key(self.prefix, job_id, ":tokens")
+        return _job_key(self._job_head(job_id), job_id, ":tokens")
+
+    def job_head(self, job_id: str) -> str:
+        """What every key of job ``job_id`` starts with before ``job:<id>``: a script that
+        builds a job's key names from its id takes this."""
+        return self._job_head(job_id)
+
+    def _job_head(self, job_id: str) -> str:
+        if self.partitions == 1:
+            return self._heads[0]
+        if not isinstance(job_id, str):
+            check_name("id", job_id)
+        return self._heads[self.partition(job_id)]
 
     def daemon(self, consumer: str) -> str:
         return f"{self.prefix}:daemon:{consumer}"
@@ -142,15 +259,32 @@ def seq_of(entry_id: bytes | str) -> int:
     return int(text.split("-", 1)[1]) - 1
 
 
-def _job_key(prefix: str, job_id: str, suffix: str = "") -> str:
+@lru_cache(maxsize=MAX_PARTITIONS * MAX_PARTITIONS)
+def partition_tag(partition: int, partitions: int) -> str:
+    """The hash tag of partition ``partition`` of ``partitions``: the first ``<k>.<j>``
+    whose slot lies in the k-th of ``partitions`` equal ranges of Cluster's slots."""
+    j = 0
+    while (
+        key_slot(f"{partition}.{j}".encode()) * partitions // REDIS_CLUSTER_HASH_SLOTS != partition
+    ):
+        j += 1
+    return f"{partition}.{j}"
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a SCAN/PSUBSCRIBE glob pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _job_key(head: str, job_id: str, suffix: str = "") -> str:
     """A job's key, its id checked. Cached: a daemon names each running job's three keys
     every step (a refused id raises, and is not cached; one that is not a string, which
     may not be hashable, is refused before the cache)."""
     if not isinstance(job_id, str):
         check_name("id", job_id)
-    return _checked_job_key(prefix, job_id, suffix)
+    return _checked_job_key(head, job_id, suffix)
 
 
 @lru_cache(maxsize=16384)
-def _checked_job_key(prefix: str, job_id: str, suffix: str) -> str:
-    return f"{prefix}:job:{check_name('id', job_id)}{suffix}"
+def _checked_job_key(head: str, job_id: str, suffix: str) -> str:
+    return f"{head}job:{check_name('id', job_id)}{suffix}"

@@ -4,7 +4,10 @@ Daemons are found by their heartbeat keys (``<prefix>:daemon:<consumer>``,
 JSON written by ``batchd.daemon.fleet.heartbeat``: model, queues, running, waiting, KV
 usage, tokens/s, ...); queues by their streams plus every queue a daemon
 names. Keys are found with SCAN, never KEYS, so a large keyspace is walked
-in small steps instead of blocking Redis. Read-only: top never changes a key.
+in small steps instead of blocking Redis (on a Redis Cluster, every primary's).
+A queue of several partitions is shown as one: its counts summed over its
+partitions, a consumer's over the partitions it reads. Read-only: top never
+changes a key.
 """
 
 from __future__ import annotations
@@ -77,10 +80,10 @@ class Snapshot:
 def take_snapshot(
     client: redis.Redis, keys: Keys, *, clock: Callable[[], float] = time.time
 ) -> Snapshot:
-    """Daemons and queues as Redis holds them now (two SCANs, two pipelines)."""
+    """Daemons and queues as Redis holds them now (SCANs, then two pipelines)."""
     daemons = _daemons(client, keys, now=clock())
     named = {str(q) for d in daemons for q in d.heartbeat.get("queues") or []}
-    names = sorted(n for n in named | set(_queue_names(client, keys)) if is_name(n))
+    names = sorted(n for n in named | _queue_names(client, keys) if is_name(n))
     alive = {d.consumer for d in daemons}
     return Snapshot(clock(), daemons, _queues(client, keys, names, alive=alive))
 
@@ -113,28 +116,32 @@ def _json_object(value: bytes | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _queue_names(client: redis.Redis, keys: Keys) -> list[str]:
-    prefix = keys.queue_prefix
-    found = client.scan_iter(match=prefix + "*", count=SCAN_COUNT, _type="STREAM")
-    return [key.decode(errors="replace").removeprefix(prefix) for key in found]
+def _queue_names(client: redis.Redis, keys: Keys) -> set[str]:
+    """The queues with a stream in some partition."""
+    names = set()
+    for pattern in keys.queue_patterns():
+        for key in client.scan_iter(match=pattern, count=SCAN_COUNT, _type="STREAM"):
+            if (found := keys.queue_name(key)) is not None:
+                names.add(found[0])
+    return names
 
 
 def _queues(
     client: redis.Redis, keys: Keys, names: Sequence[str], *, alive: set[str]
 ) -> list[QueueView]:
+    streams = [(name, stream) for name in names for stream in keys.queue_partitions(name)]
     with client.pipeline(transaction=False) as pipe:
-        for name in names:
-            stream = keys.queue(name)
+        for _, stream in streams:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
             pipe.xinfo_consumers(stream, CONSUMER_GROUP)
         # A queue without its group (or without a stream) answers errors: shown empty.
         replies = pipe.execute(raise_on_error=False)
-    out = []
-    for i, name in enumerate(names):
+    parts: dict[str, list[QueueView]] = {name: [] for name in names}
+    for i, (name, _) in enumerate(streams):
         length, groups, consumers = replies[3 * i : 3 * i + 3]
         group = _our_group(groups)
-        out.append(
+        parts[name].append(
             QueueView(
                 name=name,
                 length=length if isinstance(length, int) else 0,
@@ -143,7 +150,29 @@ def _queues(
                 consumers=_consumers(consumers, alive=alive),
             )
         )
-    return out
+    return [_summed(name, parts[name]) for name in names]
+
+
+def _summed(name: str, parts: list[QueueView]) -> QueueView:
+    """One queue's view from its partitions': counts summed (unread unknown when one
+    partition's is), each consumer once, its pending summed, its idle time the least."""
+    if len(parts) == 1:
+        return parts[0]
+    unread = [p.unread for p in parts]
+    consumers: dict[str, ConsumerView] = {}
+    for c in (c for p in parts for c in p.consumers):
+        if (seen := consumers.get(c.name)) is not None:
+            c = ConsumerView(
+                c.name, seen.pending + c.pending, min(seen.idle_ms, c.idle_ms), c.alive
+            )
+        consumers[c.name] = c
+    return QueueView(
+        name=name,
+        length=sum(p.length for p in parts),
+        pending=sum(p.pending for p in parts),
+        unread=None if None in unread else sum(u or 0 for u in unread),
+        consumers=sorted(consumers.values(), key=lambda c: c.name),
+    )
 
 
 def _our_group(groups: Any) -> dict[str, Any] | None:

@@ -129,7 +129,7 @@ class SubmitPlan:
         args: list[Any] = [token, payload]
         for name, value in status.items():
             args += [name, value]
-        return cls(job_id, queue, [keys.job(job_id), keys.queue(queue)], args, token)
+        return cls(job_id, queue, [keys.job(job_id), keys.queue_for(queue, job_id)], args, token)
 
     def enqueued(self, reply: Any) -> bool:
         """True when this submit enqueued the job (now or in an attempt whose reply was
@@ -148,8 +148,8 @@ class SubmitPlan:
 
 @dataclass(frozen=True)
 class SubmitManyPlan:
-    """One call submitting several jobs onto one queue (all or none): its script call,
-    and what the reply means."""
+    """One script call submitting several jobs of one partition onto one queue (all or
+    none), and what the reply means; a submit_many call sends one per partition."""
 
     job_ids: list[str]
     queue: str
@@ -166,14 +166,16 @@ class SubmitManyPlan:
         *,
         attach: bool,
     ) -> SubmitManyPlan:
-        """``jobs``: each job's id and payload, in the order they are enqueued."""
+        """``jobs``: each job's id and payload, in the order they are enqueued; all of one
+        partition (:func:`by_partition`)."""
         args: list[Any] = ["1" if attach else "0", len(status)]
         for name, value in status.items():
             args += [name, value]
         for _, payload in jobs:
             args += [secrets.token_hex(8), payload]
         job_keys = [keys.job(job_id) for job_id, _ in jobs]
-        return cls([job_id for job_id, _ in jobs], queue, [*job_keys, keys.queue(queue)], args)
+        stream = keys.queue_for(queue, jobs[0][0])
+        return cls([job_id for job_id, _ in jobs], queue, [*job_keys, stream], args)
 
     def clash(self, reply: Any) -> tuple[str, str | None] | None:
         """The job that existed before under another submit (its id and state), when the
@@ -182,6 +184,40 @@ class SubmitManyPlan:
             return None
         index = int(reply[1]) - 1
         return self.job_ids[index], _text(reply[3]) or None
+
+
+@dataclass(frozen=True)
+class SubmitManyCall:
+    """A submit_many call: one :class:`SubmitManyPlan` per partition its jobs fall in
+    (one, unpartitioned), in the order of each partition's first job.
+
+    A script runs on one partition's keys, so across partitions the call is not one
+    atomic write: with several parts and no ``attach``, the client first reads every
+    job's status hash (:attr:`checked`) and sends nothing when one exists; each part's
+    script still checks its own jobs, so a job submitted elsewhere between the read and
+    its script refuses its part, after the parts before it were queued.
+    """
+
+    job_ids: list[str]
+    queue: str
+    parts: list[SubmitManyPlan]
+    attach: bool
+
+    # The status hash fields the pre-check reads of each job.
+    checked = ("submit_token", "state")
+
+    @property
+    def checks_first(self) -> bool:
+        """Whether the call reads its jobs' status hashes before writing (see above)."""
+        return len(self.parts) > 1 and not self.attach
+
+    def existing(self, held: list[Any]) -> tuple[str, str | None] | None:
+        """The first job whose status hash exists (its id and state), given each job's
+        HMGET of :attr:`checked` in call order; None when none does."""
+        for job_id, (token, state) in zip(self.job_ids, held, strict=True):
+            if token is not None or state is not None:
+                return job_id, _text(state) if state is not None else None
+        return None
 
 
 @dataclass(frozen=True)
@@ -194,7 +230,7 @@ class CancelPlan:
 
     @classmethod
     def make(cls, keys: Keys, job_id: str) -> CancelPlan:
-        return cls(job_id, [keys.job(job_id), keys.cancel], [job_id, CANCEL_MAXLEN])
+        return cls(job_id, [keys.job(job_id), keys.cancel_for(job_id)], [job_id, CANCEL_MAXLEN])
 
     @staticmethod
     def state(reply: Any) -> str | None:
@@ -204,6 +240,15 @@ class CancelPlan:
     @staticmethod
     def requested(reply: Any) -> bool:
         return int(reply[1]) == 1
+
+
+def by_partition(keys: Keys, jobs: list[tuple[str, bytes]]) -> list[list[tuple[str, bytes]]]:
+    """``jobs`` (id, payload) grouped by partition, each group in call order, the groups
+    in the order of their first job: a script may touch one partition's keys alone."""
+    groups: dict[int, list[tuple[str, bytes]]] = {}
+    for job in jobs:
+        groups.setdefault(keys.partition(job[0]), []).append(job)
+    return list(groups.values())
 
 
 def _text(value: Any) -> str:

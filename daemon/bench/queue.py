@@ -31,6 +31,14 @@ the client's CPU time, each queue run records what Redis spent (``INFO
 cpu``): the two processes that share the machine with the daemon; and, read
 from the daemon's metrics endpoint, how long its engine thread spent on
 publishing against its engine steps: the queue's own cost inside the daemon.
+
+The queue side may run ``daemons`` daemons at once (the in-process reference stays one
+engine), on a queue of ``partitions`` partitions, on any Redis URL a daemon takes,
+``redis+cluster://`` included: the figures are then the fleet's (tokens published, jobs
+submitted a second) and Redis's CPU is summed over the cluster's primaries. That is the
+measure of the queue path's capacity a Cluster is for (docs/cluster.md). Each primary's
+CPU seconds and commands are reported too (``redis_servers``): whether the work splits
+over the shards, or is repeated on each, shows only there.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ from batchd.daemon.bench.systems import BATCHD, Systems, SystemUnavailable, long
 from batchd.daemon.bench.workloads import Workload
 from batchd.daemon.redis_server import free_port
 from batchd.producers.client import Client, follow
-from batchd.producers.connection.factory import redis_client
+from batchd.producers.connection.factory import is_cluster, redis_client
 from batchd.producers.errors import BatchdError
 
 _SERVE_MODULE = "batchd.daemon.commands.serve"
@@ -104,9 +112,12 @@ def run_queue(
     redis_url: str,
     progress: Progress,
     rounds: int | None = None,
+    daemons: int = 1,
+    partitions: int = 1,
 ) -> dict[str, Any]:
     """In-process and through Redis, alternating (see the module doc); the ratios.
-    ``rounds`` None: as many as the time budget allows (MIN_ROUNDS..MAX_ROUNDS)."""
+    ``rounds`` None: as many as the time budget allows (MIN_ROUNDS..MAX_ROUNDS).
+    ``daemons`` daemons serve a queue of ``partitions`` partitions."""
     reason = daemon_unavailable(redis_url)
     in_process: list[RunStats] = []
     if reason is None:
@@ -127,15 +138,17 @@ def run_queue(
                 redis_url,
                 progress,
                 prefix=f"{_PREFIX}-{os.getpid()}-{len(queued)}",
+                fleet=_Fleet(daemons, partitions),
             )
         except QueueUnavailable as exc:
             progress.say(f"queue: {exc}")
             return {"available": False, "reason": str(exc)}
         queued.append({**stats.summary(), **cpu})
         in_process.append(systems.offline(BATCHD, workload))
-    return _compare(
+    result = _compare(
         queued, [stats.summary() for stats in in_process], requests=len(workload.requests)
     )
+    return {**result, "daemons": daemons, "partitions": partitions}
 
 
 def _another_round(done: int, elapsed_s: float, rounds: int | None) -> bool:
@@ -172,6 +185,8 @@ def _compare(
                 "ratio": round(ratio, 3),
                 "subscriber_cpu_s": queued[i]["subscriber_cpu_s"],
                 "redis_cpu_s": queued[i]["redis_cpu_s"],
+                "redis_servers": queued[i].get("redis_servers"),
+                "submit_jobs_s": queued[i].get("submit_jobs_s"),
                 "daemon_publish_s": queued[i].get("daemon_publish_s"),
                 "daemon_step_s": queued[i].get("daemon_step_s"),
             }
@@ -189,8 +204,21 @@ def _env_value(value: object) -> str:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fleet:
+    """How many daemons serve the queue, and its partitions."""
+
+    daemons: int = 1
+    partitions: int = 1
+
+
 def _daemon_env(
-    systems: Systems, workload: Workload, redis_url: str, prefix: str, metrics_port: int
+    systems: Systems,
+    workload: Workload,
+    redis_url: str,
+    prefix: str,
+    metrics_port: int,
+    partitions: int = 1,
 ) -> dict[str, str]:
     """Environment of the daemon: the same engine settings as the in-process run."""
     s = systems.settings
@@ -214,49 +242,82 @@ def _daemon_env(
         "BATCHD_LOG_LEVEL": "WARNING",
         "BATCHD_RESULT_TTL_S": "3600",
         "BATCHD_DAEMON__METRICS_PORT": str(metrics_port),
+        "BATCHD_QUEUE__PARTITIONS": str(partitions),
         **engine_env,
     }
 
 
 def _run_through_daemon(
-    systems: Systems, workload: Workload, redis_url: str, progress: Progress, *, prefix: str
+    systems: Systems,
+    workload: Workload,
+    redis_url: str,
+    progress: Progress,
+    *,
+    prefix: str,
+    fleet: _Fleet,
 ) -> tuple[RunStats, dict[str, float | None]]:
-    """The workload through a fresh daemon; its stats, the client's and Redis's CPU
-    seconds, and the daemon's seconds publishing and stepping."""
-    metrics_port = free_port()
-    env = _daemon_env(systems, workload, redis_url, prefix, metrics_port)
+    """The workload through fresh daemons; its stats, the submit rate, the client's and
+    Redis's CPU seconds (and each server's, with its commands), and the daemons' seconds
+    publishing and stepping."""
+    ports = [free_port() for _ in range(fleet.daemons)]
     command = [sys.executable, "-m", "batchd.daemon.cli", "serve"]
     command += ["--model", str(systems.settings.model_path), "--queue", _QUEUE]
     conn = redis_client(redis_url)
-    with tempfile.TemporaryDirectory(prefix="batchd-bench-") as tmp:
-        log_path = Path(tmp) / "daemon.log"
-        progress.phase("queue / batchd serve: starting the daemon")
-        with log_path.open("wb") as log:
-            daemon = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            with _failures_end_the_run():
-                _wait_ready(conn, prefix, daemon, log_path)
-                client = Client(redis_url, prefix=prefix, queue=_QUEUE)
-                warm = systems.warmup_for(workload)
-                progress.phase(f"{workload.name} / batchd through Redis (warm-up)")
-                _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
-                progress.phase(f"{workload.name} / batchd through Redis")
-                recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
-                # The submitting and following client and Redis share the machine with the
-                # daemon; the client runs as the daemon's clients do (bench.subscriber).
-                cpu, server = time.process_time(), _redis_cpu_s(conn)
-                daemon_before = _daemon_times(metrics_port)
-                stats, nice = run_as_subscriber(
-                    lambda: _submit_and_follow(client, workload, recorder)
+    with (
+        tempfile.TemporaryDirectory(prefix="batchd-bench-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        # On exit, last to first: the daemons stop, the round's keys go, the connection.
+        stack.callback(conn.close)
+        stack.callback(_delete_prefix, conn, prefix, progress)
+        progress.phase("queue / batchd serve: starting the daemons")
+        daemons = []
+        for i, port in enumerate(ports):
+            env = _daemon_env(systems, workload, redis_url, prefix, port, fleet.partitions)
+            log_path = Path(tmp) / f"daemon{i}.log"
+            with log_path.open("wb") as log:
+                daemon = subprocess.Popen(
+                    [*command, "--consumer-name", f"bench-{i}"],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
-                cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
-                daemon_times = _times_between(daemon_before, _daemon_times(metrics_port))
-                client.close()
-        finally:
-            _stop(daemon)
-            _delete_prefix(conn, prefix, progress)
-            conn.close()
-    figures = {"subscriber_cpu_s": round(cpu, 3), "subscriber_nice": nice, "redis_cpu_s": server}
+            stack.callback(_stop, daemon)
+            daemons.append((daemon, log_path))
+        with _failures_end_the_run():
+            _wait_ready(conn, prefix, daemons)
+            client = Client(redis_url, prefix=prefix, queue=_QUEUE)
+            warm = systems.warmup_for(workload)
+            progress.phase(f"{workload.name} / batchd through Redis (warm-up)")
+            _submit_and_follow(client, warm, Recorder(total=len(warm.requests)))
+            progress.phase(f"{workload.name} / batchd through Redis")
+            recorder = Recorder(total=len(workload.requests), on_finish=progress.update)
+            # The submitting and following client and Redis share the machine with the
+            # daemons; the client runs as the daemons' clients do (bench.subscriber).
+            cpu, server, servers = time.process_time(), _redis_cpu_s(conn), _redis_servers(conn)
+            daemons_before = [_daemon_times(port) for port in ports]
+            submit: dict[str, float] = {}
+            stats, nice = run_as_subscriber(
+                lambda: _submit_and_follow(client, workload, recorder, submit)
+            )
+            cpu, server = time.process_time() - cpu, _spent(server, _redis_cpu_s(conn))
+            by_server = _servers_spent(servers, _redis_servers(conn))
+            daemon_times = _fleet_times(
+                [
+                    _times_between(before, _daemon_times(port))
+                    for before, port in zip(daemons_before, ports, strict=True)
+                ]
+            )
+            client.close()
+    figures = {
+        "subscriber_cpu_s": round(cpu, 3),
+        "subscriber_nice": nice,
+        "redis_cpu_s": server,
+        "redis_servers": by_server,
+        "submit_jobs_s": round(len(workload.requests) / submit["s"], 1)
+        if submit.get("s")
+        else None,
+    }
     return stats, {**figures, **daemon_times}
 
 
@@ -273,14 +334,48 @@ def _failures_end_the_run() -> Iterator[None]:
 
 
 def _redis_cpu_s(conn: redis.Redis) -> float | None:
-    """CPU seconds the Redis server has used since it started (all its threads); None
+    """CPU seconds the Redis server (a cluster's primaries) has used since it started; None
     where INFO is refused (NOPERM, a renamed command) or its reply is lost: the figure
     is then left out of the report, and the run it describes stands."""
+    servers = _redis_servers(conn)
+    return None if servers is None else sum(s["cpu_s"] for s in servers.values())
+
+
+def _redis_servers(conn: redis.Redis) -> dict[str, dict[str, float]] | None:
+    """Each server's CPU seconds and commands processed since it started, by node (a
+    cluster's primaries; a single server is ``server``); None as for _redis_cpu_s."""
     try:
-        info = conn.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        nodes: Any = (
+            conn.info(target_nodes="primaries") if is_cluster(conn) else {"server": conn.info()}
+        )
+        return {
+            node: {
+                "cpu_s": float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
+                "commands": float(info["total_commands_processed"]),
+            }
+            for node, info in nodes.items()
+        }
     except (redis.RedisError, KeyError, ValueError):
         return None
+
+
+def _servers_spent(
+    before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None
+) -> dict[str, dict[str, float]] | None:
+    """Each server's CPU seconds and commands between two readings; None where a reading
+    is missing, a node is in one reading only (a failover) or its counters went back."""
+    if before is None or after is None or before.keys() != after.keys():
+        return None
+    spent = {
+        node: {key: after[node][key] - before[node][key] for key in ("cpu_s", "commands")}
+        for node in before
+    }
+    if any(value < 0 for figures in spent.values() for value in figures.values()):
+        return None
+    return {
+        node: {"cpu_s": round(figures["cpu_s"], 4), "commands": figures["commands"]}
+        for node, figures in spent.items()
+    }
 
 
 # The daemon's series read around a run: its engine thread's seconds on publishes and on
@@ -320,6 +415,16 @@ def _times_between(
     }
 
 
+def _fleet_times(each: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """The daemons' figures summed (None where any daemon's is missing)."""
+    return {
+        key: None
+        if any(times[key] is None for times in each)
+        else round(sum(times[key] or 0.0 for times in each), 4)
+        for key in _DAEMON_SERIES.values()
+    }
+
+
 def _spent(before: float | None, after: float | None) -> float | None:
     """CPU seconds between two readings; None if either is missing or the counters went
     back (Redis restarted in between and started counting again)."""
@@ -328,28 +433,35 @@ def _spent(before: float | None, after: float | None) -> float | None:
     return round(after - before, 3)
 
 
-def _wait_ready(conn: redis.Redis, prefix: str, daemon: subprocess.Popen[bytes], log: Path) -> None:
-    """Until the daemon's heartbeat key appears (it has loaded the model and joined)."""
+def _wait_ready(
+    conn: redis.Redis, prefix: str, daemons: list[tuple[subprocess.Popen[bytes], Path]]
+) -> None:
+    """Until every daemon's heartbeat key appears (each has loaded the model and joined)."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if daemon.poll() is not None:
-            tail = log.read_text(errors="replace")[-600:]
-            raise QueueUnavailable(
-                f"not available: batchd serve exited with code {daemon.returncode}: {tail}"
-            )
-        if any(conn.scan_iter(match=f"{prefix}:daemon:*", count=100)):
+        for daemon, log in daemons:
+            if daemon.poll() is not None:
+                tail = log.read_text(errors="replace")[-600:]
+                raise QueueUnavailable(
+                    f"not available: batchd serve exited with code {daemon.returncode}: {tail}"
+                )
+        if len(list(conn.scan_iter(match=f"{prefix}:daemon:*", count=100))) >= len(daemons):
             return
         time.sleep(0.2)
     raise QueueUnavailable(f"not available: batchd serve not ready after {_START_TIMEOUT_S:.0f}s")
 
 
-def _submit_and_follow(client: Client, workload: Workload, recorder: Recorder) -> RunStats:
+def _submit_and_follow(
+    client: Client, workload: Workload, recorder: Recorder, submit: dict[str, float] | None = None
+) -> RunStats:
     """Submit every request at once (one submit_many call: the daemon reads them together,
-    as the in-process engine gets them), then follow all their event streams to the end."""
+    as the in-process engine gets them), then follow all their event streams to the end.
+    ``submit["s"]``: the seconds the submit took."""
     follower = client.follower(timeout=1800)
     for request in workload.requests:
         recorder.arrive(request.request_id)
         follower.add(request.request_id)
+    started = time.perf_counter()
     client.submit_many(
         {
             "prompt_token_ids": request.prompt_ids,
@@ -359,6 +471,8 @@ def _submit_and_follow(client: Client, workload: Workload, recorder: Recorder) -
         }
         for request in workload.requests
     )
+    if submit is not None:
+        submit["s"] = time.perf_counter() - started
     for job_id, event in follow(client.redis, follower):
         if event.error is not None:
             raise QueueUnavailable(f"not available: job {job_id} failed: {event.error}")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchd.daemon.bench.engine_system import backends_lines
 from batchd.daemon.bench.speculative import speculative_lines
 from batchd.daemon.bench.sweep import sweep_lines
 from batchd.daemon.bench.systems import BATCHD, BATCHGEN, LABELS, OFFLINE_ORDER
@@ -148,6 +149,8 @@ def _later_lines(results: dict[str, Any]) -> list[str]:
     spec = results.get("speculative")
     if spec is not None:
         lines += ["", *speculative_lines(spec)]
+    if "backends" in results:
+        lines += ["", *backends_lines(results["backends"])]
     return lines
 
 
@@ -169,6 +172,11 @@ def _steps_line(steps: dict[str, Any]) -> str:
         f"{ms('with_prefill_p50_s')} / {ms('with_prefill_p99_s')} ms, "
         f"{steps['gap_share_with_prefill']:.0%} of the gaps."
     )
+    if "device_wait_p50_s" in steps:  # reports before the step's one sync have none
+        line += (
+            f" Per step (p50): {steps['host_hidden_p50_s'] * 1e3:.2f} ms of host work hidden "
+            f"under the device's, {steps['device_wait_p50_s'] * 1e3:.2f} ms waiting for it."
+        )
     if not steps["same_batch_steps"]:
         return line
     batch = steps["same_batch_decodes"]

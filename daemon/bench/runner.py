@@ -17,6 +17,7 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 
 from batchd.daemon.bench import queue
+from batchd.daemon.bench.engine_system import backends_headline
 from batchd.daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
 from batchd.daemon.bench.online import run_online, saturation_rate
 from batchd.daemon.bench.progress import Progress
@@ -58,7 +59,7 @@ OFFLINE_SYSTEMS = {
 }
 # Run only when asked for by name (not part of a full run): see batchd.daemon.bench.sweep
 # and batchd.daemon.bench.speculative.
-EXTRA_WORKLOADS = ("online-sweep", "speculative")
+EXTRA_WORKLOADS = ("online-sweep", "speculative", "backends")
 
 # batchd's max_prefill_tokens_with_decodes in the online workload: a latency setting (every
 # running decode waits for the prefill tokens its step carries). 4 was the one bound that
@@ -89,6 +90,9 @@ class BenchOptions:
     queue_rounds: int | None = (
         None  # None: as many as batchd.daemon.bench.queue's time budget allows
     )
+    # The queue workload's daemons, and the partitions of its queue ([queue] partitions).
+    queue_daemons: int = 1
+    queue_partitions: int = 1
     command: str = ""
     # The speculative workload: the method compared with off, and its draft model.
     speculative_method: str = "ngram"
@@ -197,6 +201,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             redis_url=options.redis_url,
             progress=progress,
             rounds=options.queue_rounds,
+            daemons=options.queue_daemons,
+            partitions=options.queue_partitions,
         )
     if "speculative" in options.workloads:
         results["speculative"] = run_speculative(
@@ -209,6 +215,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             method=options.speculative_method,
             draft_model=options.speculative_draft_model,
         )
+    if "backends" in options.workloads:
+        results["backends"] = systems.backends(workloads["mixed"])
     report["headline"] = headline(report)
     return report
 
@@ -328,4 +336,6 @@ def headline(report: dict[str, Any]) -> str:
     spec = results.get("speculative")
     if spec is not None:
         parts.append(speculative_headline(spec))
+    if "backends" in results:
+        parts.append(backends_headline(results["backends"]))
     return "; ".join(parts)

@@ -119,6 +119,10 @@ def step_profile(steps: Sequence[StepStats]) -> dict[str, Any]:
         "same_batch_steps": len(same_times),
         "same_batch_p50_s": round(percentile(same_times, 50), 5),
         "same_batch_p99_s": round(percentile(same_times, 99), 5),
+        # Per step: host work done while the device computed (hidden under it), and time
+        # then spent waiting for the device (the step's one sync).
+        "host_hidden_p50_s": round(percentile([s.host_overlap_s for s in steps], 50), 6),
+        "device_wait_p50_s": round(percentile([s.sync_wait_s for s in steps], 50), 6),
     }
 
 

@@ -139,6 +139,20 @@ class Systems:
         mx.clear_cache()
         return stats
 
+    def backends(self, workload: Workload, *, rounds: int = 3) -> dict[str, Any]:
+        """batchd on ``workload`` with each forward backend and sampler, same run
+        (batchd.daemon.bench.engine_system.compare_backends)."""
+        reason = self.batchd_unavailable()
+        if reason is not None:
+            raise SystemUnavailable(reason)
+        from batchd.daemon.bench.engine_system import compare_backends
+
+        self.progress.phase(f"backends: {workload.name}, {rounds} rounds")
+        warm = self.warmup_for(workload).requests
+        return compare_backends(
+            self.settings.model_path, self.settings.engine, workload.requests, warm, rounds=rounds
+        )
+
     def timed(
         self,
         key: str,

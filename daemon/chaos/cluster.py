@@ -1,9 +1,12 @@
 """The system under test: one redis-server (AOF, ``everysec``) and D ``batchd serve``
 processes, each reaching Redis through its own proxy so one can be partitioned alone.
 
-On a Sentinel deployment (``sentinel=True``) the daemons connect with the
+On a Sentinel deployment (``deployment="sentinel"``) the daemons connect with the
 ``redis+sentinel://`` URL instead: no proxy (they must follow the master wherever it
-moves), and the Redis fault is :meth:`Cluster.failover`.
+moves), and the Redis fault is :meth:`Cluster.failover`. On a Redis Cluster
+(``deployment="cluster"``: 3 primaries, a replica each) they connect with the
+``redis+cluster://`` URL, and the Redis faults are :meth:`Cluster.kill_primary` and
+:meth:`Cluster.migrate_partition`.
 
 Every daemon exit the run did not cause is counted (and the daemon restarted, so one
 crash does not hide the rest of the run's findings).
@@ -20,15 +23,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 import redis
+from redis.crc import key_slot
 
 from batchd.config.settings import Settings
 from batchd.daemon.chaos.aof import AofTail, Cut
 from batchd.daemon.chaos.proxy import Proxy
+from batchd.daemon.cluster_server import ClusterDeployment
 from batchd.daemon.redis_server import RedisServer
 from batchd.daemon.sentinel_server import SentinelDeployment
+from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,12 @@ SERVING = b"serving queues"
 # A master silent this long is down for the Sentinels. Shorter ones fail over by
 # themselves when the run's own load (every process on a few cores) delays a reply.
 SENTINEL_DOWN_AFTER_MS = 2000
+# The same for a Redis Cluster's nodes (cluster-node-timeout).
+CLUSTER_NODE_TIMEOUT_MS = 2000
+# A migrating slot moves this many keys per MIGRATE, this far apart: it stays half moved
+# (clients redirected with ASK, scripts over both halves told TRYAGAIN) for seconds.
+MIGRATE_BATCH = 4
+MIGRATE_PAUSE_S = 0.05
 
 
 @dataclass
@@ -43,7 +56,7 @@ class DaemonSlot:
     """One daemon position: its proxy outlives the processes that fill the slot."""
 
     index: int
-    proxy: Proxy | None  # None on Sentinel: the daemon asks the Sentinels for the master
+    proxy: Proxy | None  # None on Sentinel and Cluster: the daemon finds the nodes itself
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     # Set by the run before a signal it sends, so the exit it causes is not a finding.
@@ -59,9 +72,12 @@ class Cluster:
     model: Path
     daemons: int
     settings: Settings
-    sentinel: bool = False
+    kind: str = "single"  # single, sentinel or cluster: batchd.daemon.chaos.options
+    # The run's key layout (partitioned on a Redis Cluster), for the Redis faults.
+    keys: Keys = field(default_factory=Keys)
     redis_server: RedisServer = field(init=False)
     deployment: SentinelDeployment | None = field(init=False, default=None)
+    redis_cluster: ClusterDeployment | None = field(init=False, default=None)
     aof: AofTail = field(init=False)
     slots: list[DaemonSlot] = field(default_factory=list)
     # Each daemon death the run did not cause, as a finding: exit code and last log lines.
@@ -78,7 +94,13 @@ class Cluster:
         self.aof = AofTail(self.redis_server.directory)
 
     @property
+    def sentinel(self) -> bool:
+        return self.kind == "sentinel"
+
+    @property
     def url(self) -> str:
+        if self.redis_cluster is not None:
+            return self.redis_cluster.url
         return self.deployment.url if self.deployment else self.redis_server.url
 
     @property
@@ -88,11 +110,22 @@ class Cluster:
 
     def admin(self) -> redis.Redis:
         """A direct connection (no proxy) to the master, for the fault injector and the
-        checks."""
+        checks; on a Redis Cluster, a cluster client (typed as the ``redis.Redis`` whose
+        commands it shares)."""
+        if self.redis_cluster is not None:
+            client: Any = self.redis_cluster.client(socket_timeout=5, socket_connect_timeout=5)
+            return client
         return redis.Redis.from_url(self.master.url, socket_timeout=5, socket_connect_timeout=5)
 
     def start(self) -> Cluster:
-        if self.sentinel:
+        if self.kind == "cluster":
+            self.redis_cluster = ClusterDeployment(
+                self.workdir / "cluster",
+                node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
+                extra_args=["--appendfsync", "everysec"],
+            )
+            self.redis_cluster.wait_ready()
+        elif self.sentinel:
             self.deployment = SentinelDeployment(
                 self.workdir / "sentinel", down_after_ms=SENTINEL_DOWN_AFTER_MS
             )
@@ -101,7 +134,7 @@ class Cluster:
             self.redis_server.start()
             self.aof.start()
         for index in range(self.daemons):
-            proxy = None if self.sentinel else Proxy(self.redis_server.port)
+            proxy = Proxy(self.redis_server.port) if self.kind == "single" else None
             slot = DaemonSlot(index, proxy, self.workdir / f"daemon{index}.log")
             self.slots.append(slot)
             self._spawn(slot)
@@ -126,6 +159,9 @@ class Cluster:
                     slot.proc.wait(10)
             if slot.proxy is not None:
                 slot.proxy.close()
+        if self.redis_cluster is not None:
+            self.redis_cluster.stop()
+            return
         if self.deployment is not None:
             self.deployment.stop()
             return
@@ -136,7 +172,9 @@ class Cluster:
 
     def _environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
-        sections = self.settings.model_dump(mode="json", include={"daemon", "engine", "limits"})
+        sections = self.settings.model_dump(
+            mode="json", include={"daemon", "engine", "limits", "queue"}
+        )
         env.update(
             {f"BATCHD_{name.upper()}": orjson.dumps(v).decode() for name, v in sections.items()}
         )
@@ -232,6 +270,45 @@ class Cluster:
         assert self.deployment is not None
         sentinel_log = self.deployment.sentinels[0].directory / "sentinel.log"
         return sentinel_log.read_text(errors="replace").count("+switch-master")
+
+    def kill_primary(self, pick: int) -> str:
+        """SIGKILL the primary of queue partition ``pick`` (modulo the partitions); once its
+        replica is promoted, start the killed node again as a replica of it (ready for the
+        next kill). Returns what happened, for the fault log."""
+        deployment = self._redis_cluster()
+        slot = self._partition_slot(pick)
+        old = deployment.kill_primary(slot=slot)
+        new = deployment.owner(slot)
+        deployment.rejoin(old)
+        return f"slot {slot}: primary :{old.port} -> :{new.port}"
+
+    def migrate_partition(self, pick: int) -> str:
+        """Move the slot of queue partition ``pick`` (modulo the partitions) live to the next
+        primary; returns what moved, for the fault log."""
+        deployment = self._redis_cluster()
+        slot = self._partition_slot(pick)
+        source = deployment.owner(slot)
+        primaries = sorted(deployment.primaries(), key=lambda node: node.port)
+        target = primaries[(primaries.index(source) + 1) % len(primaries)]
+        moved = deployment.migrate_slots(
+            [slot], target, batch=MIGRATE_BATCH, pause_s=MIGRATE_PAUSE_S
+        )
+        return f"slot {slot}: {moved} keys :{source.port} -> :{target.port}"
+
+    def primary_switches(self) -> int:
+        """Replica promotions the nodes logged: each primary kill's, asked for or not."""
+        deployment = self._redis_cluster()
+        return sum(
+            node.log_path.read_text(errors="replace").count("Failover election won")
+            for node in deployment.nodes
+        )
+
+    def _redis_cluster(self) -> ClusterDeployment:
+        assert self.redis_cluster is not None, "a Redis Cluster fault needs the cluster"
+        return self.redis_cluster
+
+    def _partition_slot(self, pick: int) -> int:
+        return key_slot(self.keys.queue(partition=pick % self.keys.partitions).encode())
 
     def pause_redis(self, seconds: float) -> None:
         _frozen_for(self.redis_server.proc, seconds)

@@ -31,6 +31,8 @@ class FaultKind(str, Enum):
     read_only = "Redis read-only (demoted replica)"
     network_partition = "daemon partitioned > heartbeat TTL"
     failover = "Sentinel failover (master SIGKILL)"
+    primary_kill = "Cluster primary SIGKILL, replica promoted"
+    migration = "Cluster slot migration of a queue partition"
 
 
 # On a Sentinel deployment: what each fault needs that it lacks. A partition proxies one
@@ -40,6 +42,14 @@ NOT_ON_SENTINEL = {
     FaultKind.network_partition: "daemons reach Redis without a proxy",
     FaultKind.redis_pause: "a paused master is failed over: see failovers",
     FaultKind.read_only: "a demoted master is reconfigured by the Sentinels",
+}
+# On a Redis Cluster, the same, and: a node's crash is a primary kill (its replica takes
+# over, see primary kills), not a restart of the one server with the last second cut.
+NOT_ON_CLUSTER = {
+    FaultKind.network_partition: "daemons reach every node without a proxy",
+    FaultKind.redis_pause: "a paused primary is failed over: see primary kills",
+    FaultKind.read_only: "a demoted primary is replaced by its replica: see primary kills",
+    FaultKind.redis_crash: "a crashed node's replica takes over: see primary kills",
 }
 # Writes a killed master acknowledged this long before its kill may not have reached the
 # replica (replication is asynchronous): they are checked and resent where lost.
@@ -126,6 +136,13 @@ class Injector(Background):
             old, new = cluster.failover()
             detail = f"master :{old} -> :{new}"
             self.after_redis_crash(since)
+        elif fault.kind is FaultKind.primary_kill:
+            since = time.monotonic() - REPLICATION_LAG_S
+            self.ledger.cuts.append(since)
+            detail = cluster.kill_primary(fault.daemon)
+            self.after_redis_crash(since)
+        elif fault.kind is FaultKind.migration:
+            detail = cluster.migrate_partition(fault.daemon)
         elif fault.kind is FaultKind.redis_pause:
             cluster.pause_redis(holds.past_socket_timeout_s)
             detail = f"{holds.past_socket_timeout_s:.1f}s"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-DEPLOYMENTS = ("single", "sentinel")
+DEPLOYMENTS = ("single", "sentinel", "cluster")
 
 
 def flag(default: int | float | str, about: str, **argparse_options: Any) -> Any:
@@ -26,18 +26,32 @@ class ChaosOptions:
     each_other_fault: int = flag(
         1,
         "how many of each other fault: daemon SIGSTOP, partition, Redis pause, refused "
-        "writes, read-only window (on sentinel: daemon SIGSTOP and refused writes only)",
+        "writes, read-only window (on sentinel and cluster: daemon SIGSTOP and refused "
+        "writes only)",
         metavar="N",
     )
     deployment: str = flag(
         "single",
-        "the Redis the run starts: one redis-server, or a master, a replica and three "
-        "Sentinels (a Redis SIGKILL is then a kill of the current master)",
+        "the Redis the run starts: one redis-server; a master, a replica and three "
+        "Sentinels (a Redis SIGKILL is then a kill of the current master); or a Redis "
+        "Cluster of 3 primaries with a replica each, the queue in 3 partitions",
         choices=DEPLOYMENTS,
     )
     failovers: int = flag(
         0,
         "Sentinel failovers: SIGKILL the current master (needs --deployment sentinel)",
+        metavar="N",
+    )
+    primary_kills: int = flag(
+        0,
+        "Redis Cluster primary kills: SIGKILL a primary, its replica promoted, the old one "
+        "back as a replica (needs --deployment cluster)",
+        metavar="N",
+    )
+    migrations: int = flag(
+        0,
+        "Redis Cluster slot migrations: a queue partition's slot moved live to another "
+        "primary (needs --deployment cluster)",
         metavar="N",
     )
     subscribers: int = 4
@@ -55,10 +69,12 @@ def problem(options: ChaosOptions) -> str | None:
     if min(options.jobs, options.daemons) < 1:
         return "--jobs and --daemons must be >= 1"
     counts = (options.kills, options.hostile, options.redis_crashes, options.each_other_fault)
-    if min(*counts, options.failovers) < 0:
+    if min(*counts, options.failovers, options.primary_kills, options.migrations) < 0:
         return "fault counts must be >= 0"
     if options.failovers and options.deployment != "sentinel":
         return "--failovers needs --deployment sentinel (one redis-server has no replica)"
+    if (options.primary_kills or options.migrations) and options.deployment != "cluster":
+        return "--primary-kills and --migrations need --deployment cluster"
     return None
 
 

@@ -24,15 +24,15 @@ from batchd.daemon.chaos.workload import CancelAt, ChaosJob, Via
 from batchd.producers.client import Client
 from batchd.producers.connection.factory import redis_client
 from batchd.producers.errors import JobNotFound, ValidationError
-from batchd.producers.keys import JOB_FIELD, Keys
+from batchd.producers.follow import RECONNECT_ERRORS
+from batchd.producers.keys import DEFAULT_QUEUE, JOB_FIELD, Keys
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # What a write meets while a fault is on: the retry waits it out.
 TRANSIENT = (
-    redis.ConnectionError,  # LOADING after a restart included
-    redis.TimeoutError,
+    *RECONNECT_ERRORS,  # LOADING after a restart, a Redis Cluster changing hands included
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError,
 )
@@ -46,6 +46,7 @@ class Producer(Background):
         ledger: Ledger,
         jobs: list[ChaosJob],
         *,
+        keys: Keys,
         hostile: int,
         seed: int,
         window: int,
@@ -64,7 +65,7 @@ class Producer(Background):
         self.follow = follow
         self.may_submit = may_submit
         self.result_ttl_s = result_ttl_s
-        self.keys = Keys()
+        self.keys = keys
         # Socket timeouts shorter than the Redis pause fault, so it is felt as a timeout.
         self.redis = redis_client(url, socket_timeout=3.0, socket_connect_timeout=3.0)
         self.client = Client(self.redis, block_ms=200)
@@ -122,8 +123,10 @@ class Producer(Background):
             )
         else:
             body = orjson.dumps(job.payload)
+            queue = self.keys.queue_for(DEFAULT_QUEUE, job.id)
             self._retry(
-                f"xadd {job.id}", lambda: self.redis.xadd(self.keys.queue(), {JOB_FIELD: body})
+                f"xadd {job.id}",
+                lambda: self.redis.xadd(queue, {JOB_FIELD: body}),
             )
 
     def _duplicate(self, job: ChaosJob) -> None:
@@ -184,6 +187,8 @@ class Producer(Background):
         self._xadd_hostile(entry)
 
     def _xadd_hostile(self, entry: dict[str, bytes]) -> None:
+        # All to partition 0's stream: their entry ids, which dead letters name, stay
+        # unique (two streams may give the same id).
         try:
             entry_id: Any = self.redis.xadd(self.keys.queue(), entry)  # type: ignore[arg-type]
         except TRANSIENT:
@@ -201,7 +206,7 @@ class Producer(Background):
         found in the second read, never missed by both."""
         with self.ledger.lock:
             at_risk = [send for send in self.ledger.hostile if send.sent_at >= since]
-        queue, dead = self.keys.queue(), self.keys.dead
+        queue = self.keys.queue()
         lost = []
         for send in at_risk:
             found: Any = self._retry(
@@ -211,8 +216,10 @@ class Producer(Background):
                 lost.append(send)
         if not lost:
             return
-        letters: Any = self._retry("read dead letters", lambda: self.redis.xrange(dead))
-        handled = {fields.get(b"entry", b"").decode() for _, fields in letters}
+        handled = set()
+        for dead in self.keys.dead_streams():
+            letters: Any = self._retry("read dead letters", partial(self.redis.xrange, dead))
+            handled |= {fields.get(b"entry", b"").decode() for _, fields in letters}
         lost = [send for send in lost if send.entry_id not in handled]
         with self.ledger.lock:
             self.ledger.hostile = [s for s in self.ledger.hostile if s not in lost]

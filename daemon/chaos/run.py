@@ -20,7 +20,14 @@ import redis
 from batchd.config.settings import Settings
 from batchd.daemon.chaos.background import Background
 from batchd.daemon.chaos.cluster import Cluster
-from batchd.daemon.chaos.faults import NOT_ON_SENTINEL, FaultKind, Holds, Injector, schedule
+from batchd.daemon.chaos.faults import (
+    NOT_ON_CLUSTER,
+    NOT_ON_SENTINEL,
+    FaultKind,
+    Holds,
+    Injector,
+    schedule,
+)
 from batchd.daemon.chaos.ledger import Ledger
 from batchd.daemon.chaos.options import ChaosOptions
 from batchd.daemon.chaos.producer import Producer
@@ -29,9 +36,13 @@ from batchd.daemon.chaos.subscribers import Subscriber
 from batchd.daemon.chaos.verdict import Verdict, judge
 from batchd.daemon.chaos.workload import make_jobs
 from batchd.engine import EngineConfig
+from batchd.producers.connection.factory import is_cluster
 from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
+
+# A Redis Cluster run's queue partitions: one per primary.
+CLUSTER_PARTITIONS = 3
 
 
 @dataclass
@@ -63,10 +74,11 @@ class ChaosResult:
 
 def chaos_settings(options: ChaosOptions, engine: EngineConfig) -> Settings:
     """The daemons' settings: production code, with timeouts short enough that each held
-    fault crosses them within seconds."""
+    fault crosses them within seconds; on a Redis Cluster, a partitioned queue."""
     return Settings(
         result_ttl_s=options.result_ttl_s,
         engine=engine,
+        queue={"partitions": run_keys(options).partitions},
         daemon={
             "heartbeat_interval_s": 0.5,
             "heartbeat_ttl_s": 2.0,
@@ -78,19 +90,44 @@ def chaos_settings(options: ChaosOptions, engine: EngineConfig) -> Settings:
     )
 
 
+def run_keys(options: ChaosOptions) -> Keys:
+    """The key layout the run's daemons claim: partitioned on a Redis Cluster."""
+    if options.deployment == "cluster":
+        return Keys(partitions=CLUSTER_PARTITIONS, tagged=True)
+    return Keys()
+
+
 def fault_counts(options: ChaosOptions) -> dict[FaultKind, int]:
     """How many of each fault. On Sentinel a Redis crash is a crash of the current master,
-    that is a failover, and the faults that need one address are not run."""
-    sentinel = options.deployment == "sentinel"
+    that is a failover, and the faults that need one address are not run; on a Redis
+    Cluster neither are those it cannot take (:data:`NOT_ON_CLUSTER`)."""
+    sentinel, cluster = options.deployment == "sentinel", options.deployment == "cluster"
     counts = {
         FaultKind.daemon_kill: options.kills,
-        FaultKind.redis_crash: 0 if sentinel else options.redis_crashes,
+        FaultKind.redis_crash: 0 if sentinel or cluster else options.redis_crashes,
         FaultKind.failover: options.failovers + options.redis_crashes if sentinel else 0,
+        FaultKind.primary_kill: options.primary_kills,
+        FaultKind.migration: options.migrations,
     }
     for kind in FaultKind:
-        skipped = sentinel and kind in NOT_ON_SENTINEL
+        skipped = (sentinel and kind in NOT_ON_SENTINEL) or (cluster and kind in NOT_ON_CLUSTER)
         counts.setdefault(kind, 0 if skipped else options.each_other_fault)
     return counts
+
+
+def _deployment_said(options: ChaosOptions, progress: Callable[[str], None]) -> None:
+    """What the run starts, and the faults it skips there (with why)."""
+    described = {
+        "single": "redis-server (AOF everysec)",
+        "sentinel": "a master, a replica, 3 Sentinels",
+        "cluster": f"a Redis Cluster (3 primaries + 3 replicas), {CLUSTER_PARTITIONS} partitions",
+    }
+    progress(f"starting {described[options.deployment]} and {options.daemons} daemons")
+    if options.deployment == "sentinel" and options.each_other_fault:
+        progress("not run on Sentinel: " + "; ".join(NOT_ON_SENTINEL.values()))
+    if options.deployment == "cluster" and (options.each_other_fault or options.redis_crashes):
+        reasons = (f"{kind.value}: {why}" for kind, why in NOT_ON_CLUSTER.items())
+        progress("not run on Redis Cluster: " + "; ".join(reasons))
 
 
 def run_chaos(
@@ -105,12 +142,9 @@ def run_chaos(
     progress(f"reference: {len(jobs)} jobs in-process, no faults")
     reference, reference_seconds = reference_outputs(model, engine, jobs)
     settings = chaos_settings(options, engine)
-    sentinel = options.deployment == "sentinel"
-    cluster = Cluster(workdir, model, options.daemons, settings, sentinel=sentinel)
-    redis_desc = "a master, a replica, 3 Sentinels" if sentinel else "redis-server (AOF everysec)"
-    progress(f"starting {redis_desc} and {options.daemons} daemons")
-    if sentinel and options.each_other_fault:
-        progress("not run on Sentinel: " + "; ".join(NOT_ON_SENTINEL.values()))
+    keys = run_keys(options)
+    cluster = Cluster(workdir, model, options.daemons, settings, options.deployment, keys)
+    _deployment_said(options, progress)
     cluster.start()
     ledger = Ledger()
     holds = Holds(
@@ -135,6 +169,7 @@ def run_chaos(
         cluster.url,
         ledger,
         jobs,
+        keys=keys,
         hostile=options.hostile,
         seed=options.seed,
         window=options.window,
@@ -146,7 +181,9 @@ def run_chaos(
     )
     by_id = {job.id: job for job in jobs}
     subscribers += [
-        Subscriber(i, cluster.url, ledger, producer, by_id, seed=options.seed, resume_every=40)
+        Subscriber(
+            i, cluster.url, ledger, producer, by_id, keys, seed=options.seed, resume_every=40
+        )
         for i in range(options.subscribers)
     ]
     injector = Injector(
@@ -188,18 +225,16 @@ def run_chaos(
         stop_load()
         seconds = time.monotonic() - started
         failures += [f"{name} failed: {part.error!r}" for name, part in parts if part.error]
-        if sentinel and (switches := cluster.master_switches()) != ledger.faults["failover"]:
-            # A failover nobody asked for: the writes it lost would go unchecked.
-            failures.append(f"{switches} master switches, {ledger.faults['failover']} asked")
+        failures += _unasked_failovers(cluster, ledger)
         admin = cluster.admin()
         verdict = judge(
-            jobs, reference, ledger, admin, unexpected_exits=len(cluster.unexpected_exits)
+            jobs, reference, ledger, admin, keys, unexpected_exits=len(cluster.unexpected_exits)
         )
         verdict.findings += cluster.unexpected_exits
         progress(f"waiting {options.result_ttl_s}s for the results to expire")
         time.sleep(options.result_ttl_s + 2)
-        keys_left, other_keys = _keys_left(admin)
-        stuck_running, keys_without_ttl = _left_forever(admin, verdict)
+        keys_left, other_keys = _keys_left(admin, keys)
+        stuck_running, keys_without_ttl = _left_forever(admin, keys, verdict)
         admin.close()
     finally:
         stop_load()
@@ -217,6 +252,17 @@ def run_chaos(
         stuck_running,
         keys_without_ttl,
     )
+
+
+def _unasked_failovers(cluster: Cluster, ledger: Ledger) -> list[str]:
+    """A failover nobody asked for, as a failure: the writes it lost would go unchecked."""
+    if cluster.kind == "sentinel":
+        switches, asked = cluster.master_switches(), ledger.faults["failover"]
+        return [] if switches == asked else [f"{switches} master switches, {asked} asked"]
+    if cluster.kind == "cluster":
+        switches, asked = cluster.primary_switches(), ledger.faults["primary_kill"]
+        return [] if switches == asked else [f"{switches} replica promotions, {asked} asked"]
+    return []
 
 
 def _wait(
@@ -256,29 +302,48 @@ class _MemoryWatch(Background):
         admin = self.cluster.admin()
         while not self.stop.wait(0.25):
             try:
-                info: Any = admin.info("memory")
+                used = _used_memory(admin)
             except redis.RedisError:  # down, paused or failed over: ask the master again
                 admin.close()
                 admin = self.cluster.admin()
                 continue
-            self.bytes = max(self.bytes, int(info["used_memory"]))
+            self.bytes = max(self.bytes, used)
         admin.close()
 
 
-def _keys_left(client: redis.Redis) -> tuple[int, list[str]]:
+def _used_memory(admin: redis.Redis) -> int:
+    """Redis's used memory: on a Redis Cluster, its primaries' together."""
+    if is_cluster(admin):
+        nodes: Any = admin.info("memory", target_nodes="primaries")
+        return sum(int(info["used_memory"]) for info in nodes.values())
+    info: Any = admin.info("memory")
+    return int(info["used_memory"])
+
+
+def _job_prefixes(keys: Keys) -> list[str]:
+    """What every per-job key starts with, one per partition (a partition's head is what
+    its dead-letter stream's name starts with)."""
+    return [keys.dead_stream(k).removesuffix("dead") + "job:" for k in range(keys.partitions)]
+
+
+def _job_keys(client: redis.Redis, keys: Keys) -> list[bytes]:
+    # The chaos run's prefix holds no glob character: a head is its own pattern.
+    return [key for p in _job_prefixes(keys) for key in client.scan_iter(f"{p}*")]
+
+
+def _keys_left(client: redis.Redis, keys: Keys) -> tuple[int, list[str]]:
     """Per-job keys still in Redis (must be none once result TTLs pass), and the rest."""
-    prefix = Keys().job("x")[: -len("x")]
-    job_keys = list(client.scan_iter(f"{prefix}*"))
-    others = sorted(k.decode() for k in client.scan_iter("*") if not k.startswith(prefix.encode()))
+    prefixes = tuple(p.encode() for p in _job_prefixes(keys))
+    job_keys = _job_keys(client, keys)
+    others = sorted(k.decode() for k in client.scan_iter("*") if not k.startswith(prefixes))
     return len(job_keys), others
 
 
-def _left_forever(client: redis.Redis, verdict: Verdict) -> tuple[int, int]:
+def _left_forever(client: redis.Redis, keys: Keys, verdict: Verdict) -> tuple[int, int]:
     """Jobs whose status still says queued or running once every result expired, and
     per-job keys without a TTL; each is named in the findings."""
-    prefix = Keys().job("x")[: -len("x")]
     stuck = no_ttl = 0
-    for key in client.scan_iter(f"{prefix}*"):
+    for key in _job_keys(client, keys):
         name = key.decode(errors="replace")
         if client.ttl(key) == -1:
             no_ttl += 1

@@ -15,6 +15,7 @@ import random
 
 import redis
 
+from batchd.config.cluster import is_cluster_url
 from batchd.daemon.chaos.background import Background
 from batchd.daemon.chaos.ledger import Ledger
 from batchd.daemon.chaos.producer import Producer
@@ -40,6 +41,7 @@ class Subscriber(Background):
         ledger: Ledger,
         producer: Producer,
         jobs: dict[str, ChaosJob],
+        keys: Keys,
         *,
         seed: int,
         resume_every: int,
@@ -50,6 +52,7 @@ class Subscriber(Background):
         self.ledger = ledger
         self.producer = producer
         self.jobs = jobs
+        self.keys = keys
         self.rng = random.Random(seed * 1000 + index)
         self.resume_every = resume_every
         self.inbox: queue.Queue[str] = queue.Queue()
@@ -61,7 +64,8 @@ class Subscriber(Background):
 
     def _follower(self) -> Follower:
         follower = Follower(
-            Keys(),
+            self.keys,
+            cluster=is_cluster_url(self.url),  # reads then split by partition
             block_ms=200,
             status_interval_s=1.0,
             reconnect_timeout_s=120.0,
@@ -110,7 +114,7 @@ class Subscriber(Background):
             self.producer.resubmit(exc.job_id)
             # The other jobs' cursors keep their missing clocks: each lost job is found
             # after MISSING_AFTER_S, not one such wait after the other.
-            follower.cursors[Keys().events(exc.job_id)].missing_since = None
+            follower.cursors[self.keys.events(exc.job_id)].missing_since = None
         except ProtocolError as exc:
             with self.ledger.lock:
                 self.ledger.gaps[exc.job_id] = str(exc)

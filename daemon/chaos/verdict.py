@@ -19,7 +19,6 @@ from batchd.daemon.chaos.workload import CancelAt, ChaosJob
 from batchd.producers.keys import EVENT_FIELD, Keys, seq_of
 from batchd.producers.schema import Event, FinishReason
 
-KEYS = Keys()
 DONE = (FinishReason.stop, FinishReason.length)
 
 
@@ -79,6 +78,7 @@ def judge(
     reference: dict[str, list[int]],
     ledger: Ledger,
     client: redis.Redis,
+    keys: Keys,
     *,
     unexpected_exits: int,
 ) -> Verdict:
@@ -89,10 +89,12 @@ def judge(
         unexpected_exits=unexpected_exits,
     )
     verdict.findings += ledger.wrong_answers
-    letters: Any = client.xrange(KEYS.dead)
+    letters: list[Any] = []
+    for dead in keys.dead_streams():
+        letters += client.xrange(dead)  # type: ignore[arg-type]
     hostile_errors = _hostile_errors(ledger, letters)
     for job in jobs:
-        _judge_job(verdict, job, reference[job.id], ledger, client, hostile_errors)
+        _judge_job(verdict, job, reference[job.id], ledger, client, keys, hostile_errors)
     _judge_dead_letters(verdict, ledger, letters)
     return verdict
 
@@ -103,6 +105,7 @@ def _judge_job(
     expected: list[int],
     ledger: Ledger,
     client: redis.Redis,
+    keys: Keys,
     hostile_errors: dict[str, set[str]],
 ) -> None:
     events = ledger.delivered.get(job.id, [])
@@ -141,17 +144,17 @@ def _judge_job(
             f"{job.id}: {final.finish_reason} {final.error or ''} tokens {tokens[:8]}... "
             f"expected {expected[:8]}..."
         )
-    _judge_stored(verdict, job.id, events, client, hostile_errors)
+    _judge_stored(verdict, job.id, events, client.xrange(keys.events(job.id)), hostile_errors)
 
 
 def _judge_stored(
     verdict: Verdict,
     job_id: str,
     delivered: list[Event],
-    client: redis.Redis,
+    entries: Any,
     hostile_errors: dict[str, set[str]],
 ) -> None:
-    entries: Any = client.xrange(KEYS.events(job_id))
+    """``entries``: the job's stored stream, as XRANGE gives it."""
     if not entries:
         return  # expired (or lost with Redis after the client had it all)
     stored = [Event.decode(fields[EVENT_FIELD.encode()]) for _, fields in entries]

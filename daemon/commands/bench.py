@@ -35,6 +35,7 @@ def register(sub: Any) -> None:
             "all",
             "online-sweep",
             "speculative",
+            "backends",
             "gateway",
         ],
         help="which workload to run (default: all: the first four; online-sweep runs the "
@@ -42,7 +43,9 @@ def register(sub: Any) -> None:
         "batchd gateway process under load, in front of a daemon on --model (default: tiny) "
         "and a private redis-server, see the --gateway-* options; speculative runs batchd "
         "with speculative decoding off and on (see --speculative-method), on an extraction "
-        "workload of real text (meaningful with --model smollm2) and on mixed)",
+        "workload of real text (meaningful with --model smollm2) and on mixed; backends runs "
+        "batchd on mixed with each forward backend and sampler, the MLX path sampling on the host "
+        "(before) and on the device (after) among them, in alternating rounds)",
     )
     p.add_argument(
         "--speculative-method",
@@ -108,6 +111,14 @@ def register(sub: Any) -> None:
         help="queue: alternating rounds (a queue run between two in-process runs) behind the "
         "median ratio (default: at least 3, more while the rounds have taken under 240 s, "
         "at most 11)",
+    )
+    p.add_argument(
+        "--queue-daemons",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="queue: daemons serving the queue together (default: 1), on a queue of "
+        "[queue] partitions partitions",
     )
     p.add_argument(
         "--gateway-requests",
@@ -247,6 +258,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         sweep_bounds=args.sweep_bounds or DEFAULT_BOUNDS,
         sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
         queue_rounds=args.queue_rounds,
+        queue_daemons=args.queue_daemons,
+        queue_partitions=settings.queue.partitions,
         speculative_method=args.speculative_method,
         speculative_draft_model=args.draft_model,
         command=(
@@ -257,6 +270,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             + f" --online-max-prefill-tokens {online_bound if online_bound else 'none'}"
             + _sweep_options(args)
             + (f" --queue-rounds {args.queue_rounds}" if args.queue_rounds else "")
+            + (f" --queue-daemons {args.queue_daemons}" if args.queue_daemons > 1 else "")
             + _speculative_options(args)
         ),
     )

@@ -97,7 +97,16 @@ def _machine_checks() -> list[Check]:
         checks.append(Check("C kernels", True, "not used: MLX runs on the GPU"))
     else:
         checks.append(Check("C kernels", True, native.describe()))
+    checks.append(Check("forward backend", True, _backend_line()))
     return checks
+
+
+def _backend_line() -> str:
+    """The backend a float32 model would run on here with the default options, and why
+    (a model in another dtype, or a quantized KV pool, runs on mlx: the start log says)."""
+    from batchd.engine.forward.backend import AUTO, choose
+
+    return choose(AUTO, dtype=None).describe() + " (float32 models; others: mlx)"
 
 
 def _folder_checks() -> list[Check]:

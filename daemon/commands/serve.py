@@ -114,8 +114,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from batchd.daemon.ops.prom import DaemonMetrics
     from batchd.daemon.worker.loop import Worker
     from batchd.daemon.worker.mlx_generator import MLXGenerator
-    from batchd.daemon.worker.redis_io import ClusterUnsupported
+    from batchd.daemon.worker.redis_io import ClusterUrlNeeded
     from batchd.engine.models.registry import resolve_model
+    from batchd.producers.connection.layout import LayoutMismatch
 
     metrics = None
     if settings.daemon.metrics_port is not None:
@@ -136,13 +137,16 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         time.monotonic() - began,
         extra={"event": "model_loaded"},
     )
+    if metrics is not None:
+        choice = generator.engine.backend
+        metrics.backend(choice.name, choice.sampler, choice.reason)
     ops = Ops.for_service(settings, metrics=metrics)
     worker = Worker(settings, generator, consumer=consumer, ops=ops)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.request_stop())
     try:
         worker.run()
-    except (ClusterUnsupported, ConsumerTaken) as exc:
+    except (ClusterUrlNeeded, LayoutMismatch, ConsumerTaken) as exc:
         print(f"batchd serve: {exc}", file=sys.stderr)
         ops.failed(exc)
         return 2

@@ -220,7 +220,9 @@ def run_demo(
         worker.request_stop()
         engine_thread.join(10)
         keys = client.keys
-        client.redis.delete(keys.queue("demo"), keys.cancel, keys.dead)
+        client.redis.delete(
+            *keys.queue_partitions("demo"), *keys.cancel_streams(), *keys.dead_streams()
+        )
         client.close()
         if real:
             print(transcript([(job.question, lines[j]) for j, job in jobs]))

@@ -43,7 +43,7 @@ import redis
 
 from batchd.daemon.worker.jobs import DURABLE_AFTER_S, Delivery, Job
 from batchd.daemon.worker.member import Member
-from batchd.daemon.worker.redis_io import REDIS_DOWN
+from batchd.daemon.worker.redis_io import REDIS_DOWN, pipeline_replies
 from batchd.producers.keys import EVENT_FIELD
 from batchd.producers.schema import FinishReason, JobState
 
@@ -142,7 +142,7 @@ class DurabilityWatch:
         pipe = self.member.redis.pipeline(transaction=False)
         for ended in due:
             pipe.hget(self.member.keys.job(ended.job_id), "state")
-        states = pipe.execute(raise_on_error=False)
+        states = pipeline_replies(pipe)
         lost: list[Delivery] = []
         for ended, state in zip(due, states, strict=True):
             if isinstance(state, redis.ResponseError):

@@ -77,7 +77,7 @@ def _job_id(entry_id: bytes, fields: dict[bytes, bytes]) -> str:
         except orjson.JSONDecodeError:
             data = None
         value = data.get("id") if isinstance(data, dict) else None
-        if is_name(value):
+        if isinstance(value, str) and is_name(value):
             return value
     return entry_id.decode()
 

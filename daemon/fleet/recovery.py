@@ -3,12 +3,14 @@
 A pending entry looks idle while its daemon generates for minutes, so idle
 time alone proves nothing. The claim script checks, atomically with the
 XCLAIM, that the owner's heartbeat key is gone: a live daemon refreshes it
-every ``heartbeat_interval_s``, a dead one's expires after ``heartbeat_ttl_s``.
+every ``heartbeat_interval_s``, a dead one's expires after ``heartbeat_ttl_s`` (on a
+Redis Cluster the check comes just before: batchd.daemon.fleet.liveness).
 Claimed entries are then picked up like new ones: their events streams say
 where each job stopped. A restarted daemon with a configured (stable)
 consumer name first reads its own pending entries back (XREADGROUP from 0).
 Dead consumers left with nothing pending are removed from the group (names
-are host:pid by default, so every restart leaves one behind).
+are host:pid by default, so every restart leaves one behind). Each partition of a
+queue is a stream with a group of its own: every call here is about one of them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import redis
 
+from batchd.daemon.fleet.liveness import DEAD_RULE, Liveness
 from batchd.daemon.worker.jobs import Delivery
 from batchd.daemon.worker.member import Member
 from batchd.producers.keys import CONSUMER_GROUP
@@ -25,32 +28,19 @@ from batchd.producers.keys import CONSUMER_GROUP
 log = logging.getLogger(__name__)
 
 # Add a lost entry again and make it the one that holds its job id (the status hash
-# names the entry that took the job; pickup refuses any other as a duplicate).
+# names the entry that took the job; pickup refuses any other as a duplicate). KEYS[2],
+# the status hash, only where it is in the entry's partition (an entry filed under
+# another is only dead-lettered: batchd.daemon.worker.jobs.Job.misfiled).
 _REQUEUE = """
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV))
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id) end
+if KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'entry', id)
+end
 return id
 """
 
 # How many pending entries one claim pass looks at (live daemons' entries included).
 SCAN = 1000
-
-# Every script gets ARGV: heartbeat key prefix, group, this consumer, min idle ms, stall
-# timeout s, then its own. One rule says who is dead, so claiming and forgetting never
-# disagree: the heartbeat key is gone (expired, or deleted at a graceful stop), or it
-# says the daemon has work and completed no step for the stall timeout (a wedged engine).
-DEAD_RULE = """
-local function dead(name)
-  local beat = redis.call('GET', ARGV[1] .. name)
-  if not beat then return true end
-  local ok, body = pcall(cjson.decode, beat)
-  if not ok or type(body) ~= 'table' or not body['busy'] then return false end
-  local last = tonumber(body['last_step_at'])
-  if not last then return false end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000 - last > tonumber(ARGV[5])
-end
-"""
 
 # KEYS[1] queue stream; ARGV[6] most to claim, ARGV[7] how many pending entries to scan.
 # Returns {claimed, deleted}: {entry id, delivery count, previous owner, {field, value, ...}}
@@ -109,16 +99,16 @@ class Recovery:
         self, member: Member, *, heartbeat_ttl_s: float, stall_timeout_s: float = 300.0
     ) -> None:
         self.member = member
-        self.stall_timeout_s = stall_timeout_s
+        self.liveness = Liveness(member, stall_timeout_s=stall_timeout_s)
         # Besides the heartbeat check: nothing idle for less than a heartbeat TTL is touched.
         self.min_idle_ms = int(heartbeat_ttl_s * 1000)
         self._claim = member.redis.register_script(_CLAIM)
         self._forget = member.redis.register_script(_FORGET)
         self._requeue = member.redis.register_script(_REQUEUE)
 
-    def own_pending(self, queue: str) -> list[Delivery]:
+    def own_pending(self, queue: str, partition: int = 0) -> list[Delivery]:
         """Entries this consumer name already holds (a restart under a stable name)."""
-        stream = self.member.keys.queue(queue)
+        stream = self.member.keys.queue(queue, partition)
         out: list[Delivery] = []
         last = "0"
         while True:
@@ -137,9 +127,8 @@ class Recovery:
                 if fields is None:  # deleted from the stream while pending
                     self.member.redis.xack(stream, CONSUMER_GROUP, entry_id)
                     continue
-                out.append(
-                    Delivery(queue, entry_id.decode(), fields, deliveries=counts.get(entry_id, 1))
-                )
+                deliveries = counts.get(entry_id, 1)
+                out.append(Delivery(queue, entry_id.decode(), fields, deliveries, partition))
             last = ids[-1].decode()
         if out:
             log.info("recovered %d own pending job(s) on queue %s", len(out), queue)
@@ -152,7 +141,7 @@ class Recovery:
         Gone from the stream (Redis lost the entry itself, or its submit), the job exists
         only in this process: its entry is added again from memory (False), so that a
         daemon dying later cannot leave a job nobody will ever resume."""
-        stream = self.member.keys.queue(delivery.queue)
+        stream = self.member.stream(delivery)
         entry = delivery.entry_id
         try:
             pending: Any = self.member.redis.xpending_range(stream, CONSUMER_GROUP, entry, entry, 1)
@@ -165,8 +154,10 @@ class Recovery:
         if pending:  # deleted while pending: nothing left to deliver, it holds back trimming
             self.member.redis.xack(stream, CONSUMER_GROUP, entry)
         fields = [part for pair in delivery.fields.items() for part in pair]
-        job = self.member.keys.job(job_id)
-        added: Any = self._requeue(keys=[stream, job], args=fields)
+        keys = [stream]
+        if self.member.keys.partition(job_id) == delivery.partition:
+            keys.append(self.member.keys.job(job_id))
+        added: Any = self._requeue(keys=keys, args=fields)
         log.warning(
             "queue entry %s was lost by Redis; its job enqueued again as %s",
             entry,
@@ -174,10 +165,10 @@ class Recovery:
         )
         return False
 
-    def strays(self, queue: str, *, held: set[str]) -> list[Delivery]:
+    def strays(self, queue: str, partition: int = 0, *, held: set[str]) -> list[Delivery]:
         """Entries pending for this consumer that it does not hold: a lost XREADGROUP
         reply, or a pickup cut short. Taken back (XCLAIM to itself) to be picked up."""
-        stream = self.member.keys.queue(queue)
+        stream = self.member.keys.queue(queue, partition)
         pending: Any = self.member.redis.xpending_range(
             stream, CONSUMER_GROUP, "-", "+", SCAN, consumername=self.member.consumer
         )
@@ -195,16 +186,16 @@ class Recovery:
                 continue
             log.warning("entry %s on queue %s was pending here unseen; picked up", entry_id, queue)
             deliveries = int(row["times_delivered"]) + 1
-            out.append(Delivery(queue, entry_id.decode(), claimed[0][1], deliveries=deliveries))
+            out.append(Delivery(queue, entry_id.decode(), claimed[0][1], deliveries, partition))
         return out
 
-    def claim(self, queue: str, *, limit: int) -> list[Delivery]:
-        """Up to ``limit`` entries of dead consumers on ``queue``, now owned by this one."""
+    def claim(self, queue: str, partition: int = 0, *, limit: int) -> list[Delivery]:
+        """Up to ``limit`` entries of dead consumers on partition ``partition`` of
+        ``queue``, now owned by this one."""
         if limit <= 0:
             return []
-        rows, deleted = self._claim(
-            keys=[self.member.keys.queue(queue)], args=self._args(limit, SCAN)
-        )
+        stream = self.member.keys.queue(queue, partition)
+        rows, deleted = self._claim(keys=[stream], args=self._args(limit, SCAN))
         for entry_id in deleted:
             log.error(
                 "pending entry %s on queue %s was deleted from the stream; acked, job lost",
@@ -214,7 +205,7 @@ class Recovery:
         out = []
         for entry_id, deliveries, owner, flat in rows:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            out.append(Delivery(queue, entry_id.decode(), fields, deliveries=int(deliveries)))
+            out.append(Delivery(queue, entry_id.decode(), fields, int(deliveries), partition))
             log.warning(
                 "claimed job entry %s on queue %s from dead consumer %s",
                 entry_id.decode(),
@@ -223,17 +214,12 @@ class Recovery:
             )
         return out
 
-    def forget_dead(self, queue: str) -> int:
-        """Remove dead consumers with nothing pending from ``queue``'s group; returns how many."""
-        gone: int = self._forget(keys=[self.member.keys.queue(queue)], args=self._args())
+    def forget_dead(self, queue: str, partition: int = 0) -> int:
+        """Remove dead consumers with nothing pending from the group of partition
+        ``partition`` of ``queue``; returns how many."""
+        stream = self.member.keys.queue(queue, partition)
+        gone: int = self._forget(keys=[stream], args=self._args())
         return gone
 
     def _args(self, *extra: int) -> list[str | int]:
-        return [
-            self.member.keys.daemon(""),
-            CONSUMER_GROUP,
-            self.member.consumer,
-            self.min_idle_ms,
-            repr(self.stall_timeout_s),
-            *extra,
-        ]
+        return [*self.liveness.args(self.min_idle_ms), *extra]

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import ClusterPipeline
 
-from batchd.daemon.fleet.recovery import DEAD_RULE
+from batchd.daemon.fleet.liveness import DEAD_RULE, Liveness
 from batchd.daemon.worker.member import Member
-from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, event_id, is_name
+from batchd.daemon.worker.redis_io import load_scripts, pipeline_replies, queue_script
+from batchd.producers.keys import EVENT_FIELD, Keys, event_id, is_name
 from batchd.producers.schema import (
     FINAL_STATE,
     Choice,
@@ -146,22 +148,24 @@ class Sweep:
     ) -> None:
         self.member = member
         self.grace_s = heartbeat_ttl_s
-        self.stall_timeout_s = stall_timeout_s
+        self.liveness = Liveness(member, stall_timeout_s=stall_timeout_s)
         self.result_ttl_s = result_ttl_s
         self.scan_count = scan_count
+        # Where the SCAN goes on: one cursor, or on a Cluster one per primary (by name).
         self._cursor = 0
+        self._cursors: dict[str, int] = {}
         self._suspects: dict[str, _Suspect] = {}
         # Ended jobs' keys seen without a TTL, and when: the EXPIREs follow the end in the
         # daemon's next round trip, so only those still without one a grace later lost them.
         self._untimed: dict[str, float] = {}
         self._script = member.redis.register_script(_SWEEP)
-        self._prefix = member.keys.job("x")[:-1]
 
     def run(self, *, held: set[str], now: float | None = None) -> dict[str, int]:
         """One step: scan the next slice of status hashes, then resolve the suspects stuck
         for a heartbeat TTL. ``held``: entry ids this daemon accounts for. Returns how many
         jobs were re-queued and ended. Raises Redis errors (suspects are kept)."""
         now = time.monotonic() if now is None else now
+        self.liveness.refresh()
         self._scan(held, now)
         done = {"requeued": 0, "ended": 0}
         for suspect in list(self._suspects.values()):
@@ -181,13 +185,32 @@ class Sweep:
                 del self._suspects[suspect.job_id]
         return done
 
+    def _next_keys(self) -> list[bytes]:
+        """The next slice of the status hashes of every partition (every primary's on a
+        Redis Cluster, whose SCAN reaches one node)."""
+        client: Any = self.member.redis
+        match = _job_pattern(self.member.keys)
+        if not self.member.cluster:
+            cursor, keys = client.scan(
+                self._cursor, match=match, count=self.scan_count, _type="hash"
+            )
+            self._cursor = int(cursor)
+            return list(keys)
+        out: list[bytes] = []
+        cursors = {}
+        for node in client.get_primaries():
+            at = self._cursors.get(node.name, 0)
+            found = client.scan(
+                at, match=match, count=self.scan_count, _type="hash", target_nodes=node
+            )
+            cursors[node.name] = found[0][node.name]
+            out += found[1]
+        self._cursors = cursors  # a primary gone in a failover is forgotten with its cursor
+        return out
+
     def _scan(self, held: set[str], now: float) -> None:
         client = self.member.redis
-        keys: Any
-        cursor, keys = client.scan(
-            self._cursor, match=f"{self._prefix}*", count=self.scan_count, _type="hash"
-        )
-        self._cursor = int(cursor)
+        keys = self._next_keys()
         if not keys:
             return
         pipe = client.pipeline(transaction=False)
@@ -200,8 +223,8 @@ class Sweep:
         for key, (state, entry, queue, daemon), ttl in zip(
             keys, replies[::2], replies[1::2], strict=True
         ):
-            job_id = key.decode(errors="replace")[len(self._prefix) :]
-            if not is_name(job_id):
+            job_id = _job_id(self.member.keys, key)
+            if job_id is None:
                 continue
             if (state is None or state in _ENDED) and ttl == -1:
                 if now - self._untimed.setdefault(job_id, now) >= self.grace_s:
@@ -221,10 +244,12 @@ class Sweep:
         """Keep those of ``seen`` the script finds stuck (checking only, no write)."""
         if not seen:
             return
+        if self.member.cluster:
+            load_scripts(self.member.redis, self._script)  # queue_script's NOSCRIPT
         pipe = self.member.redis.pipeline(transaction=False)
         for suspect in seen:
             self._call(suspect, "check", client=pipe)
-        for suspect, reply in zip(seen, pipe.execute(raise_on_error=False), strict=True):
+        for suspect, reply in zip(seen, pipeline_replies(pipe), strict=True):
             if isinstance(reply, redis.ResponseError):
                 log.error("job %s: sweep check failed: %s", suspect.job_id, reply)
             elif reply[0] in (b"requeue", b"end"):
@@ -293,11 +318,7 @@ class Sweep:
     ) -> Any:
         keys = self.member.keys
         args: list[str | int] = [
-            keys.daemon(""),
-            CONSUMER_GROUP,
-            self.member.consumer,
-            0,
-            repr(self.stall_timeout_s),
+            *self.liveness.args(0),
             suspect.entry,
             suspect.queue,
             "1" if suspect.mine else "0",
@@ -306,11 +327,14 @@ class Sweep:
         ]
         if end is not None:
             args += end.args()
-        return self._script(
-            keys=[keys.job(suspect.job_id), keys.events(suspect.job_id), keys.queue(suspect.queue)],
-            args=args,
-            client=client,
-        )
+        job_id = suspect.job_id
+        # A job that ran was filed in its id's partition (Job.misfiled): one slot.
+        queue = keys.queue_for(suspect.queue, job_id)
+        names = [keys.job(job_id), keys.events(job_id), queue]
+        if isinstance(client, ClusterPipeline):
+            queue_script(client, self._script, names, args)
+            return client
+        return self._script(keys=names, args=args, client=client)
 
 
 @dataclass(frozen=True)
@@ -337,6 +361,19 @@ class _End:
         if self.error is not None:
             fields["error"] = self.error
         return head + [part for pair in fields.items() for part in pair]
+
+
+def _job_pattern(keys: Keys) -> str:
+    """SCAN pattern of every partition's status hashes (and, not hashes, events streams)."""
+    return f"{keys.prefix}:{{*}}:job:*" if keys.tagged else f"{keys.prefix}:job:*"
+
+
+def _job_id(keys: Keys, key: bytes) -> str | None:
+    """The id of the job whose status hash ``key`` is, None for any other key (a name
+    that only looks like one, or a job's keys filed under another partition)."""
+    text = key.decode(errors="replace")
+    job_id = text.rsplit(":", 1)[-1]
+    return job_id if is_name(job_id) and keys.job(job_id) == text else None
 
 
 def _count(events: list[Event]) -> int:

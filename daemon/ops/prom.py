@@ -95,6 +95,16 @@ class DaemonMetrics:
         # When each running job's last token came, for the inter-token latency.
         self._last_token: dict[str, float] = {}
 
+    def backend(self, name: str, sampler: str, reason: str) -> None:
+        """The engine's forward backend, where it samples and why (chosen once at start)."""
+        Gauge(
+            "batchd_engine_backend_info",
+            "The engine's forward backend (mlx, native_cpu), its sampler (device, host) "
+            "and why that backend was chosen.",
+            ["backend", "sampler", "reason"],
+            registry=self.registry,
+        ).labels(backend=name, sampler=sampler, reason=reason).set(1)
+
     def started(self) -> None:
         self.counters["batchd_jobs_started_total"].inc()
 

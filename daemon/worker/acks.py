@@ -15,7 +15,7 @@ import redis
 
 from batchd.daemon.worker.jobs import Delivery, Job
 from batchd.daemon.worker.member import Member
-from batchd.daemon.worker.redis_io import REDIS_DOWN
+from batchd.daemon.worker.redis_io import REDIS_DOWN, pipeline_replies
 from batchd.producers.keys import CONSUMER_GROUP
 
 log = logging.getLogger(__name__)
@@ -41,13 +41,13 @@ class Acks:
         todo, self.unacked = self.unacked, []
         pipe = self.member.redis.pipeline(transaction=False)
         for delivery in todo:
-            pipe.xack(self.member.keys.queue(delivery.queue), CONSUMER_GROUP, delivery.entry_id)
+            pipe.xack(self.member.stream(delivery), CONSUMER_GROUP, delivery.entry_id)
         try:
-            replies = pipe.execute(raise_on_error=False)
+            answers = pipeline_replies(pipe)
         except REDIS_DOWN:
             self.unacked = todo + self.unacked
             raise
-        for delivery, reply in zip(todo, replies, strict=True):
+        for delivery, reply in zip(todo, answers, strict=True):
             if isinstance(reply, redis.ResponseError):
                 log.warning("ack of entry %s refused: %s", delivery.entry_id, reply)
                 self.unacked.append(delivery)
@@ -61,7 +61,7 @@ class Acks:
         pipe = self.member.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.xclaim(
-                self.member.keys.queue(job.delivery.queue),
+                self.member.stream(job.delivery),
                 CONSUMER_GROUP,
                 self.member.consumer,
                 0,
@@ -70,6 +70,6 @@ class Acks:
                 retrycount=max(0, job.delivery.deliveries - 1),
                 justid=True,
             )
-        for job, reply in zip(jobs, pipe.execute(raise_on_error=False), strict=True):
+        for job, reply in zip(jobs, pipeline_replies(pipe), strict=True):
             if isinstance(reply, redis.ResponseError):
                 log.warning("job %s: not handed back (%s); claimable later", job.job_id, reply)

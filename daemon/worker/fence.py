@@ -40,19 +40,22 @@ import redis
 from redis.client import Pipeline
 
 from batchd.daemon.worker.jobs import Job
+from batchd.daemon.worker.redis_io import load_scripts, queue_script
+from batchd.producers.connection import is_cluster
 from batchd.producers.keys import EVENT_FIELD, Keys, event_id
 from batchd.producers.schema import Event
 
 # The epoch of a rejected entry's job: written only if the job's keys do not exist yet.
 CREATE_ONLY = 0
 
-# KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel, KEYS[4] queue stream.
+# KEYS[1] events stream, KEYS[2] status hash, KEYS[3] tokens channel, KEYS[4] queue stream
+# (the job's partition of its queue: one slot with the job's keys on a Redis Cluster).
 # ARGV[1] owner, ARGV[2] epoch, ARGV[3] events the owner believes stored,
 # ARGV[4] result TTL in seconds, ARGV[5] n, ARGV[6] the job's queue entry ('': not
 # checked), then n (entry id, event JSON) pairs, then status field/value pairs.
 # A create-only append sets the keys' TTL itself: if its reply is lost, the retry
 # finds the keys and is answered 'lost', so no later EXPIRE would ever reach them.
-APPEND = f"""
+_APPEND = f"""
 local created = false
 if ARGV[2] == '{CREATE_ONLY}' then
   if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
@@ -91,7 +94,7 @@ for i = 0, n - 1 do
     end
     return {{'refused', i, r.err}}
   end
-  redis.pcall('PUBLISH', KEYS[3], ARGV[8 + 2 * i])
+  redis.pcall('@PUBLISH@', KEYS[3], ARGV[8 + 2 * i])
   if created and i == 0 then redis.pcall('EXPIRE', KEYS[1], ARGV[4]) end
 end
 if #ARGV > 6 + 2 * n then
@@ -101,6 +104,10 @@ if #ARGV > 6 + 2 * n then
 end
 return {{'ok', n}}
 """
+# On a Redis Cluster the tokens channel is a sharded one (SPUBLISH, read by SSUBSCRIBE):
+# a script may publish there, in its own slot; PUBLISH would reach every node.
+APPEND = _APPEND.replace("@PUBLISH@", "PUBLISH")
+APPEND_SHARDED = _APPEND.replace("@PUBLISH@", "SPUBLISH")
 
 
 class Outcome(Enum):
@@ -139,11 +146,12 @@ class Fence:
         self.keys = keys
         self.owner = owner
         self.result_ttl_s = result_ttl_s
-        self.script = client.register_script(APPEND)
+        self.script = client.register_script(APPEND_SHARDED if is_cluster(client) else APPEND)
 
     def load(self, client: redis.Redis) -> None:
-        """Load the script (once, and again after a NOSCRIPT: Redis restarted or flushed)."""
-        client.script_load(APPEND)
+        """Load the script (once, and again after a NOSCRIPT: Redis restarted or flushed,
+        or a replica was promoted)."""
+        load_scripts(client, self.script)
 
     def queue(
         self,
@@ -171,6 +179,6 @@ class Fence:
             self.keys.events(job.job_id),
             self.keys.job(job.job_id),
             self.keys.tokens(job.job_id),
-            self.keys.queue(job.delivery.queue),
+            self.keys.queue(job.delivery.queue, job.delivery.partition),
         ]
-        pipe.evalsha(self.script.sha, len(keys), *keys, *args)
+        queue_script(pipe, self.script, keys, args)

@@ -52,7 +52,7 @@ class Inbox:
         self.queues = lanes(list(settings.queues))  # priority lanes first
         self.held = held
         self.backoff = backoff
-        self.reader = Intake(member.keys, self.queues, consumer=member.consumer)
+        self.reader = Intake(member, self.queues)
         self.pickup = PickupPolicy(
             member, limits=settings.limits, max_deliveries=opts.max_deliveries, encode=encode
         )
@@ -73,8 +73,8 @@ class Inbox:
     def take_own(self) -> None:
         """At start: take in this consumer's own pending entries (a restart under a stable
         name). Raises Redis errors."""
-        for queue in self.queues:
-            self.admit(self.recovery.own_pending(queue))
+        for queue, partition in self.member.partitions(self.queues):
+            self.admit(self.recovery.own_pending(queue, partition))
 
     def intake(self, *, idle: Callable[[], bool], block_ms: int) -> None:
         """Pick up what the last publish read; then, if ``idle()`` (nothing held, nothing
@@ -112,12 +112,14 @@ class Inbox:
         try:
             self.acks.retry()
             self.reader.put_back(self.durable.lost())
-            for queue in self.queues:
-                self.admit(self.recovery.strays(queue, held=self._accounted()))
+            self.recovery.liveness.refresh()
+            for queue, k in self.member.partitions(self.queues):
+                self.admit(self.recovery.strays(queue, k, held=self._accounted()))
                 if take_over:
-                    self.admit(self.recovery.claim(queue, limit=self.held.room()))
-                trim_acked(self.member.redis, self.member.keys.queue(queue), keys=self.member.keys)
-                self.recovery.forget_dead(queue)
+                    self.admit(self.recovery.claim(queue, k, limit=self.held.room()))
+                stream = self.member.keys.queue(queue, k)
+                trim_acked(self.member.redis, stream, keys=self.member.keys)
+                self.recovery.forget_dead(queue, k)
             self.sweep.run(held=self._accounted())
         except REDIS_DOWN as exc:
             self.backoff.failed(exc, doing="claiming jobs of dead daemons")

@@ -39,12 +39,14 @@ DURABLE_AFTER_S = 3.0
 
 @dataclass(frozen=True)
 class Delivery:
-    """One entry of a queue stream handed to this daemon by the consumer group."""
+    """One entry of a queue stream handed to this daemon by the consumer group: of
+    partition ``partition`` of queue ``queue`` (batchd.producers.keys)."""
 
     queue: str
     entry_id: str
     fields: dict[bytes, bytes]
     deliveries: int = 1
+    partition: int = 0
 
     @property
     def enqueued_at(self) -> float:
@@ -372,6 +374,15 @@ class Job:
             self.job_id,
             self.delivery.entry_id,
         )
+        self.unpublished.clear()
+        self.status.clear()
+        self.foreign = True
+
+    def misfiled(self, error: str) -> None:
+        """Rejected, and only this entry's dead letter and ack written: an entry added to
+        a queue partition that is not its job id's names keys in another partition (on
+        Redis Cluster, another slot), which the entry's scripts cannot reach."""
+        self.reject(error)
         self.unpublished.clear()
         self.status.clear()
         self.foreign = True

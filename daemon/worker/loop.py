@@ -44,11 +44,12 @@ from batchd.daemon.worker.redis_io import (
     REDIS_DOWN,
     REDIS_REFUSING,
     Backoff,
+    claim_keys,
     connect,
-    refuse_cluster,
+    daemon_keys,
 )
 from batchd.engine.outputs import RequestOutput, StepStats
-from batchd.producers.keys import Keys, lanes
+from batchd.producers.keys import lanes
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,9 @@ class Worker:
         self.consumer = consumer
         self.on_step = on_step
         self.ops = ops or Ops(model=settings.model)
-        self.keys = Keys(settings.key_prefix)
         self.queues = lanes(list(settings.queues))  # priority lanes first
         self.redis = connect(settings)
+        self.keys = daemon_keys(settings, self.redis)  # claimed at start (_join)
         opts = settings.daemon
         self.meter = Meter()
         self.held = HeldJobs(
@@ -88,7 +89,7 @@ class Worker:
             on_started=self.ops.started,
             on_finished=self._finished,
         )
-        self.backoff = Backoff(cap_s=opts.redis_retry_max_s)
+        self.backoff = Backoff.following(self.redis, cap_s=opts.redis_retry_max_s)
         self.cadence = PublishCadence(
             Publisher(self.redis, self.keys, owner=consumer, result_ttl_s=settings.result_ttl_s),
             self.backoff,
@@ -101,7 +102,7 @@ class Worker:
         self.inbox = Inbox(
             self.member, settings, encode=generator.encode, held=self.held, backoff=self.backoff
         )
-        self.cancels = Cancellations(self.keys)
+        self.cancels = Cancellations(self.keys, self.redis)
         self.controls = ControlWatch(connect(settings), self.keys.control(consumer))
         self.heartbeat = daemon_heartbeat(
             settings, self.controls, consumer, generator.max_model_len
@@ -259,10 +260,10 @@ class Worker:
     def _join(self) -> bool:
         """Check the server, take the heartbeat, create groups, take back own pending
         jobs; retry while Redis is away. False if asked to stop first. Raises
-        ClusterUnsupported or ConsumerTaken when this daemon must not start."""
+        LayoutMismatch, ClusterUrlNeeded or ConsumerTaken when this daemon must not start."""
         while not self.stop.stopping:
             try:
-                refuse_cluster(self.redis)
+                claim_keys(self.settings, self.redis)
                 self.heartbeat.acquire()
                 self.member.create_groups(self.queues)
                 self.cancels.start_at_end(self.redis)  # before the first pickup

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import redis
 
+from batchd.daemon.worker.jobs import Delivery
+from batchd.producers.connection import is_cluster
 from batchd.producers.keys import CONSUMER_GROUP, Keys
 
 
@@ -18,12 +20,27 @@ class Member:
     keys: Keys
     consumer: str
 
+    @property
+    def cluster(self) -> bool:
+        """Whether Redis is a Cluster: a command, script or read reaches one slot only."""
+        return is_cluster(self.redis)
+
+    def partitions(self, queues: list[str]) -> list[tuple[str, int]]:
+        """Every (queue, partition) of ``queues``, queue by queue (priority lanes first
+        stay first)."""
+        return [(queue, k) for queue in queues for k in range(self.keys.partitions)]
+
+    def stream(self, delivery: Delivery) -> str:
+        """The queue stream ``delivery`` was read from (its queue's partition)."""
+        return self.keys.queue(delivery.queue, delivery.partition)
+
     def create_groups(self, queues: list[str]) -> None:
-        """Create the consumer group of each queue (and the stream) unless it exists."""
-        for queue in queues:
+        """Create the consumer group of each queue partition (and the stream) unless it
+        exists."""
+        for queue, partition in self.partitions(queues):
             try:
                 self.redis.xgroup_create(
-                    self.keys.queue(queue), CONSUMER_GROUP, id="0", mkstream=True
+                    self.keys.queue(queue, partition), CONSUMER_GROUP, id="0", mkstream=True
                 )
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):

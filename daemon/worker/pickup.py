@@ -32,6 +32,7 @@ from batchd.daemon.worker.fence import CREATE_ONLY
 from batchd.daemon.worker.generator import JobRejected
 from batchd.daemon.worker.jobs import Delivery, Job
 from batchd.daemon.worker.member import Member
+from batchd.daemon.worker.redis_io import pipeline_replies
 from batchd.producers.errors import ValidationError
 from batchd.producers.keys import ENTRY_FIELD, EVENT_FIELD, JOB_FIELD, is_name
 from batchd.producers.schema import (
@@ -79,10 +80,10 @@ class PickupPolicy:
         for job in jobs:
             pipe.hgetall(self.member.keys.job(job.job_id))
             pipe.xrange(self.member.keys.events(job.job_id))
-        replies = pipe.execute(raise_on_error=False)
+        keys = pipeline_replies(pipe)
         for i, job in enumerate(jobs):
             try:
-                self._decide(job, replies[2 * i], replies[2 * i + 1], out)
+                self._decide(job, keys[2 * i], keys[2 * i + 1], out)
             except Exception as exc:  # one job's failure is that job's alone
                 job.fail("picking it up", exc)
                 if job not in out.ended:
@@ -98,6 +99,9 @@ class PickupPolicy:
                 log.error("job %s: cannot read its keys (%s); acked, not run", job.job_id, reply)
                 out.acks.append(job.delivery)
                 return
+        if self._misfiled(job):
+            out.ended.append(job)
+            return
         if job.request is None:  # rejected by _parse: it owns no job
             if raw_status or raw_events:
                 job.leave_untouched()
@@ -132,6 +136,22 @@ class PickupPolicy:
             out.acks.append(job.delivery)
             return
         self._start(job, status, events, out)
+
+    def _misfiled(self, job: Job) -> bool:
+        """True (the entry to be dead-lettered only) when the entry is in a partition of
+        its queue other than its job id's: a raw producer's mistake, or an entry with no
+        id in a partitioned queue (its entry id then names the job)."""
+        keys, delivery = self.member.keys, job.delivery
+        if keys.partition(job.job_id) == delivery.partition:
+            return False
+        job.misfiled(
+            f"job {job.job_id!r} belongs to partition {keys.partition(job.job_id)} of queue "
+            f"{delivery.queue!r} but was added to partition {delivery.partition} "
+            f"({keys.queue(delivery.queue, delivery.partition)}): add a job to the stream "
+            f"its id names, {keys.queue_for(delivery.queue, job.job_id)} (the job's id is "
+            "required on a partitioned queue)"
+        )
+        return True
 
     def _taken(self, job: Job, raw_status: dict[bytes, bytes], out: Pickup) -> bool:
         """True (and the entry acked) when another entry already took this job id."""

@@ -33,9 +33,11 @@ import hiredis
 import orjson
 import redis
 from redis.client import Pipeline
+from redis.cluster import ClusterPipeline
 
 from batchd.daemon.worker.fence import CREATE_ONLY, Fence, Outcome, Reply
 from batchd.daemon.worker.jobs import Job
+from batchd.daemon.worker.redis_io import load_scripts, pipeline_replies, queue_script
 from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, JOB_FIELD, Keys, event_id
 from batchd.producers.schema import Event
 
@@ -59,11 +61,14 @@ return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 class Piggyback(Protocol):
     """A read that rides along in the step's pipeline (e.g. new cancellations)."""
 
-    def queue(self, pipe: Pipeline) -> None:
-        """Add exactly one command to ``pipe``."""
+    def queue(self, pipe: Pipeline) -> int:
+        """Add its commands to ``pipe`` (one; on a Redis Cluster one per slot read); how
+        many."""
         ...
 
-    def handle(self, result: Any) -> None: ...
+    def handle(self, results: list[Any]) -> None:
+        """The replies of the commands it queued, error replies as values."""
+        ...
 
 
 @dataclass
@@ -94,7 +99,7 @@ class Flush:
     pipe: Pipeline
     writing: list[Sent]
     finishing: list[tuple[Job, int]]  # each job and how many commands finish it
-    extras: Sequence[Piggyback]
+    extras: Sequence[tuple[Piggyback, int]]  # each and how many commands it queued
 
     def execute(self) -> list[Any]:
         """Run the pipeline: its replies, error replies included as values. Raises redis
@@ -102,9 +107,11 @@ class Flush:
         unknown, and the next flush's fenced appends find out.
 
         The commands go out packed by hiredis in one write: redis-py's own pipeline
-        spends more Python packing each command, on the CPU the engine computes on."""
-        if self.pipe.scripts:
-            self.pipe.load_scripts()
+        spends more Python packing each command, on the CPU the engine computes on. A
+        Redis Cluster's pipeline sends each node its commands (redis-py's ClusterPipeline,
+        which also follows MOVED and ASK)."""
+        if isinstance(self.pipe, ClusterPipeline):
+            return pipeline_replies(self.pipe)
         commands = self.pipe.command_stack
         pool = self.pipe.connection_pool
         connection = pool.get_connection()
@@ -112,18 +119,18 @@ class Flush:
             connection.send_packed_command(
                 [b"".join(hiredis.pack_command(tuple(args)) for args, _ in commands)]
             )
-            replies: list[Any] = []
+            out: list[Any] = []
             for args, options in commands:
                 try:
-                    replies.append(self.pipe.parse_response(connection, args[0], **options))
+                    out.append(self.pipe.parse_response(connection, args[0], **options))
                 except redis.ResponseError as exc:
-                    replies.append(exc)
+                    out.append(exc)
         except BaseException:
             connection.disconnect()  # replies may be left unread on it
             raise
         finally:
             pool.release(connection)
-        return replies
+        return out
 
 
 class Publisher:
@@ -165,9 +172,9 @@ class Publisher:
             return FlushResult()
         if not self._loaded:
             try:
-                self.fence.load(self.redis)
+                load_scripts(self.redis, self.fence.script, self._dead_letter)
             except redis.ResponseError as exc:  # e.g. NOPERM: keep everything, back off
-                return FlushResult(refused=f"loading the append script: {exc}")
+                return FlushResult(refused=f"loading the append scripts: {exc}")
             self._loaded = True
             self.hold_ends = _loses_acknowledged(self.redis)  # ends released from the next flush
         pipe = self.redis.pipeline(transaction=False)
@@ -181,9 +188,8 @@ class Publisher:
                 self.fence.queue(pipe, job, events, status)
             sent.append(Sent(job, events, status))
         sizes = [(job, self._queue_finish(pipe, job)) for job in finishing]
-        for extra in extras:
-            extra.queue(pipe)
-        return Flush(pipe, sent, sizes, extras)
+        reads = [(extra, extra.queue(pipe)) for extra in extras]
+        return Flush(pipe, sent, sizes, reads)
 
     def settle(self, flush: Flush, replies: list[Any]) -> FlushResult:
         """Apply the replies of ``flush``: confirmed events and status leave the outboxes."""
@@ -194,8 +200,9 @@ class Publisher:
         for job, size in flush.finishing:
             self._settle_finish(job, replies[at : at + size], result)
             at += size
-        for extra, reply in zip(flush.extras, replies[at:], strict=True):
-            extra.handle(reply)
+        for extra, size in flush.extras:
+            extra.handle(replies[at : at + size])
+            at += size
         return result
 
     def _queue_finish(self, pipe: Pipeline, job: Job) -> int:
@@ -206,7 +213,8 @@ class Publisher:
             for key in (self.keys.events(job.job_id), self.keys.job(job.job_id)):
                 pipe.expire(key, self.result_ttl_s)
             size += 2
-        queue, entry = self.keys.queue(job.delivery.queue), job.delivery.entry_id
+        delivery = job.delivery
+        queue, entry = self.keys.queue(delivery.queue, delivery.partition), delivery.entry_id
         if job.dead_letter:
             letter: dict[str, str | bytes] = {
                 "id": job.job_id,
@@ -218,7 +226,9 @@ class Publisher:
             fields = [part for pair in letter.items() for part in pair]
             args: list[str | bytes | int] = [CONSUMER_GROUP, entry, self.owner, DEAD_MAXLEN]
             args += fields
-            self._dead_letter(keys=[queue, self.keys.dead], args=args, client=pipe)
+            # The dead stream of the entry's partition: one slot with its queue stream.
+            dead = self.keys.dead_stream(delivery.partition)
+            queue_script(pipe, self._dead_letter, [queue, dead], args)
         else:
             pipe.xack(queue, CONSUMER_GROUP, entry)
         return size + 1
@@ -273,6 +283,8 @@ class Publisher:
         errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
         if job.dead_letter and not isinstance(replies[-1], redis.ResponseError):
             job.dead_letter = False
+        if any(isinstance(error, redis.exceptions.NoScriptError) for error in errors):
+            self._loaded = False  # the dead letter's script: loaded again by the next flush
         if errors:
             out.refused = f"job {job.job_id}: finishing: {errors[0]}"
             return

@@ -1,48 +1,107 @@
-"""Redis connections of the daemon, and the backoff used while Redis is away."""
+"""Redis connections of the daemon, its checks at start, script calls that work in any
+pipeline, and the backoff used while Redis is away."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
 from redis.retry import Retry
 
 from batchd.config.settings import Settings
-from batchd.producers.connection import redis_client
+from batchd.producers.connection import is_cluster, redis_client
+from batchd.producers.connection.layout import claim_layout
+from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "Redis is not reachable now": keep the work, retry later.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# Errors that mean "Redis is not reachable now": keep the work, retry later. On a Redis
+# Cluster also a slot with no live primary (between a primary's death and its replica's
+# promotion), once redis-py's own retries are spent.
+REDIS_DOWN = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
+)
 # Errors that mean "Redis is up but takes no writes now" (memory full, a replica during a
-# failover): a state of the deployment that passes, not a reason to exit.
-REDIS_REFUSING = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+# failover, a slot mid-migration): a state of the deployment that passes, not a reason
+# to exit.
+REDIS_REFUSING = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError,
+)
 
 
-class ClusterUnsupported(RuntimeError):
-    """The server runs in cluster mode, which batchd does not support yet."""
+class ClusterUrlNeeded(RuntimeError):
+    """A plain ``redis://`` URL names a Redis Cluster node."""
 
 
-def refuse_cluster(client: redis.Redis) -> None:
-    """Raise ClusterUnsupported for a cluster-mode server: a job's keys and its queue
-    hash to different slots, so the scripts would fail with CROSSSLOT mid-run."""
-    info: Any = client.info("cluster")
-    if info.get("cluster_enabled"):
-        raise ClusterUnsupported(
-            f"{client.get_connection_kwargs().get('host')}:"
-            f"{client.get_connection_kwargs().get('port')} is a Redis Cluster node; batchd "
-            "needs a standalone Redis (or a primary with replicas): its scripts touch a "
-            "job's keys and the queue stream together, which Cluster refuses (CROSSSLOT)"
-        )
+def daemon_keys(settings: Settings, client: redis.Redis) -> Keys:
+    """The key names this daemon uses: its ``queue.partitions``, tagged on a Cluster;
+    what :func:`claim_layout` returns once :func:`claim_keys` has checked them at start."""
+    return Keys(settings.key_prefix, settings.queue.partitions, tagged=is_cluster(client))
+
+
+def claim_keys(settings: Settings, client: redis.Redis) -> Keys:
+    """Check the deployment at start and claim its layout (batchd.producers.connection.
+    layout): LayoutMismatch when the data is laid out in another partition count, and
+    ClusterUrlNeeded for a Cluster node reached by a plain URL (a client that follows no
+    MOVED would write only the slots of that node)."""
+    if not is_cluster(client):
+        info: Any = client.info("cluster")
+        if info.get("cluster_enabled"):
+            kwargs = client.get_connection_kwargs()
+            raise ClusterUrlNeeded(
+                f"{kwargs.get('host')}:{kwargs.get('port')} is a Redis Cluster node: connect "
+                "with redis+cluster://host:port[,host:port...] (every primary's slots)"
+            )
+    return claim_layout(client, settings.key_prefix, settings.queue.partitions)
+
+
+def pipeline_replies(pipe: Any) -> list[Any]:
+    """Run ``pipe``: its replies, a command's error reply as its value; but an error that
+    says Redis was not reached is raised, as a standalone Redis's pipeline raises it. A
+    Redis Cluster's pipeline returns those per command too (a node gone mid-pipeline), and
+    a reply that never came must not be read as an answer."""
+    out: list[Any] = pipe.execute(raise_on_error=False)
+    for reply in out:
+        if isinstance(reply, REDIS_DOWN):
+            raise reply
+    return out
+
+
+def queue_script(pipe: Any, script: Script, keys: list[str], args: list[Any]) -> None:
+    """Queue a call of ``script`` into ``pipe``. redis-py's ClusterPipeline refuses
+    ``evalsha`` by name, not the command: EVALSHA goes in by hand, and the caller loads
+    the script first (:func:`load_scripts`), as a NOSCRIPT reply says nothing ran."""
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+def load_scripts(client: redis.Redis, *scripts: Script) -> None:
+    """SCRIPT LOAD each script, in one round trip (on a Cluster, into every primary: each
+    node has its own cache, and a promoted replica starts with none)."""
+    if is_cluster(client):
+        for script in scripts:
+            client.script_load(script.script)
+        return
+    pipe = client.pipeline(transaction=False)
+    for script in scripts:
+        pipe.script_load(script.script)
+    pipe.execute()
 
 
 def connect(settings: Settings) -> redis.Redis:
-    """A client for the daemon's loop or heartbeat, on a standalone Redis or a Sentinel
-    deployment's master (which it follows across a failover: see
+    """A client for the daemon's loop or heartbeat, on a standalone Redis, a Sentinel
+    deployment's master (which it follows across a failover) or a Redis Cluster (see
     :mod:`batchd.producers.connection`).
 
     socket_timeout exceeds XREADGROUP's BLOCK (redis-py #2807, #3138), and one
@@ -64,7 +123,8 @@ class Backoff:
     Logs once when Redis goes away and once when it is back, with the outage
     length. ``up_since`` is when Redis last became reachable (claiming jobs
     of others waits a heartbeat TTL after that, so live daemons can refresh
-    their heartbeats first).
+    their heartbeats first). ``on_failure`` runs after each failed attempt
+    (:meth:`following`).
     """
 
     def __init__(
@@ -73,10 +133,12 @@ class Backoff:
         cap_s: float,
         base_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.cap_s = cap_s
         self.base_s = base_s
         self.clock = clock
+        self.on_failure = on_failure
         self.failures = 0
         # Since start, for the metrics: failed attempts, and outages that ended.
         self.errors_total = 0
@@ -84,6 +146,18 @@ class Backoff:
         self.down_since: float | None = None
         self.next_try = 0.0
         self.up_since = clock()
+
+    @classmethod
+    def following(cls, client: redis.Redis, *, cap_s: float) -> Backoff:
+        """A backoff for the attempts of ``client``: on a Redis Cluster each unreachable
+        node makes it read the cluster's layout again. redis-py does so itself for a
+        command it sends to a node that fails, but not where the node it asks for a
+        command's keys (XREADGROUP's, XREAD's: COMMAND GETKEYS) or the primaries it sends
+        a SCAN or SCRIPT LOAD to are gone: without this a failed-over primary would stay
+        in its view for good."""
+        if not is_cluster(client):
+            return cls(cap_s=cap_s)
+        return cls(cap_s=cap_s, on_failure=partial(_read_layout_again, client))
 
     @property
     def down(self) -> bool:
@@ -103,6 +177,8 @@ class Backoff:
         self.failures += 1
         self.errors_total += 1
         self.next_try = now + wait
+        if self.on_failure is not None:
+            self.on_failure(exc)
         if self.down_since is None:
             self.down_since = now
             log.warning(
@@ -132,3 +208,14 @@ class Backoff:
         self.down_since = None
         self.failures = 0
         self.next_try = 0.0
+
+
+def _read_layout_again(client: Any, exc: BaseException) -> None:
+    """After a node could not be reached: the cluster's slots and primaries, from any
+    node that answers (a default node among them); nothing if none does yet."""
+    if not isinstance(exc, REDIS_DOWN):
+        return
+    try:
+        client.nodes_manager.initialize()
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as error:
+        log.debug("cluster layout not read again yet: %s", error)

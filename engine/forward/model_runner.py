@@ -8,9 +8,11 @@ slot; attention then reads every sequence through its block table (see
 batchd.engine.forward.paged_attention). Logits are computed only for rows that sample, and
 for the prompt rows of a request that asked for its prompt's logprobs.
 
-On a CPU with a float32 model, the packed forward runs every part of a layer
-in the C kernels of batchd.engine.forward.native on NumPy views (products over weights
-packed at load, batchd.engine.forward.packed_model; RMSNorm; RoPE and the pool's
+Two backends sit behind ``execute_scored`` (batchd.engine.forward.backend), both
+returning the sampling rows' logits as an ``mx.array``. On a CPU with a float32 model
+(native_cpu), the packed forward (batchd.engine.forward.native_forward) runs every part
+of a layer in the C kernels of batchd.engine.forward.native on NumPy views (products
+over weights packed at load, batchd.engine.forward.packed_model; RMSNorm; RoPE and the pool's
 writes; attention of every row, decode and prefill, reading K/V through the
 block tables in place): no MLX evaluation inside a layer. With
 BATCHD_NATIVE_PRODUCTS=0, or a model the packing does not cover, the MLX
@@ -46,10 +48,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from batchd.engine.adapters.packed import MLP_IN, PackedDeltas
 from batchd.engine.adapters.resident import AdapterCache, chunk_adapter
 from batchd.engine.forward import fast_math, native
+from batchd.engine.forward.backend import AUTO, NATIVE_CPU, BackendChoice
+from batchd.engine.forward.backend import choose as choose_backend
 from batchd.engine.forward.kv_pool import KVPool
+from batchd.engine.forward.native_forward import NativeForward
 from batchd.engine.forward.packed_model import pack_model
 from batchd.engine.forward.paged_attention import (
     DecodeGroup,
@@ -143,7 +147,13 @@ class ModelRunner:
     """Executes packed batches of ChunkInputs on an mlx-lm Llama-family model."""
 
     def __init__(
-        self, model: nn.Module, spec: ModelSpec, pool: KVPool, *, lanes: int | None = None
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        pool: KVPool,
+        *,
+        lanes: int | None = None,
+        backend: BackendChoice | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -159,19 +169,18 @@ class ModelRunner:
         self._tied_head = lay_out_for_cpu(model) if on_cpu else None
         self._row_multiple = ROW_MULTIPLE if on_cpu else 1
         # The C kernels read a float pool in place; a quantized one runs on MLX's path.
-        self.native_attention = (
-            on_cpu
-            and self._fast_math
-            and spec.dtype == mx.float32
-            and pool.quant is None
-            and native.available()
+        self.backend = backend or choose_backend(
+            AUTO, dtype=spec.dtype, quantized_kv=pool.quant is not None
         )
+        self.native_attention = self.backend.name == NATIVE_CPU
         self._threads = cpu_lanes()
         self._packed = (
             pack_model(model, spec) if self.native_attention and native.products_enabled() else None
         )
+        self._native: NativeForward | None = None
         if self._packed is not None:
             # The C products read the packed weights and take any row count at full speed.
+            self._native = NativeForward(model, spec, pool, self._packed, threads=self._threads)
             self._tied_head = None
             self._row_multiple = 1
         # Asked once: the scheduler calls computed_rows every step.
@@ -200,19 +209,19 @@ class ModelRunner:
             self._streams[thread] = streams
         return streams
 
-    def execute(self, chunks: Sequence[ChunkInput]) -> Logits | None:
+    def execute(self, chunks: Sequence[ChunkInput]) -> mx.array | None:
         """Run one forward; return logits ``[num_sampling_rows, vocab]`` in chunk order
         (one row per sampling chunk, ``num_logits`` rows for a verify chunk).
 
-        On the MLX path the result is lazy and the pool's arrays are updated in place
+        On the MLX backend the result is lazy and the pool's arrays are updated in place
         (lazily too: evaluate the logits, or ``pool.k``/``pool.v`` when nothing samples);
-        with the packed products (float32 on a CPU) it is a NumPy array, computed.
+        with the packed products (the native_cpu backend) it is computed already.
         """
         return self.execute_scored(chunks, {})[0]
 
     def execute_scored(
         self, chunks: Sequence[ChunkInput], targets: Mapping[int, Sequence[int]]
-    ) -> tuple[Logits | None, dict[int, mx.array]]:
+    ) -> tuple[mx.array | None, dict[int, mx.array]]:
         """:meth:`execute`, and for each chunk index in ``targets`` the log-probabilities
         (float32 log-softmax of the logits) of its target tokens: target k is scored at
         the chunk's k-th token, so it is the token that follows it. Only the rows of
@@ -243,19 +252,19 @@ class ModelRunner:
         return self.adapters.serving(spans)
 
     def _score(self, hidden: Logits, first_row: int, targets: Sequence[int]) -> mx.array:
-        logits = mx.array(self._logits(hidden[first_row : first_row + len(targets)]))
+        logits = self._logits(hidden[first_row : first_row + len(targets)])
         logits = logits.astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.array(np.asarray(targets, dtype=np.int32))[:, None]
         return mx.take_along_axis(logprobs, picked, axis=-1)[:, 0]
 
-    def _sampled_logits(self, hidden: Logits, plan: _Plan) -> Logits:
+    def _sampled_logits(self, hidden: Logits, plan: _Plan) -> mx.array:
         assert plan.sample_rows is not None
         logits = self._logits(_take(hidden, plan.sample_rows))
         if plan.sample_order != sorted(plan.sample_order):
             # Sampled rows come out in packed order; hand them back in chunk order.
             order = np.argsort(plan.sample_order, kind="stable").astype(np.int32)
-            logits = _take(logits, order)
+            logits = logits[mx.array(order)]
         elif logits.shape[0] > len(plan.sample_order):
             logits = logits[: len(plan.sample_order)]  # drop the padding rows
         return logits
@@ -416,93 +425,11 @@ class ModelRunner:
         return x
 
     def _packed_forward(self, plan: _Plan) -> np.ndarray:
-        """The forward on the packed weights: C kernels on NumPy arrays for every part of
-        a layer (norms, products, RoPE and the pool's writes, attention), MLX for the
-        embedding and the step's RoPE table only. No padding rows (``_row_multiple``
-        is 1). Rows with LoRA adapters get their deltas beside the products
-        (batchd.engine.adapters.packed)."""
-        packed = self._packed
-        assert packed is not None and plan.kernel_rows is not None
-        groups = self.adapters.board.groups if self.adapters is not None else ()
-        spec = self.spec
-        deltas = (
-            PackedDeltas(
-                groups, heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim
-            )
-            if groups
-            else None
+        """The native_cpu backend's forward (batchd.engine.forward.native_forward)."""
+        assert self._native is not None and plan.kernel_rows is not None
+        return self._native.hidden(
+            plan.tokens, plan.positions, plan.slots, plan.kernel_rows, self.adapters
         )
-        x = np.array(self.model.model.embed_tokens(plan.tokens), dtype=np.float32)
-        table = self._rope_table(plan.positions, traditional=packed.rope_traditional)
-        slots = np.array(plan.slots)
-        heads, kv_heads = self.spec.num_heads, self.spec.num_kv_heads
-        tables, lengths = plan.kernel_rows
-        threads = self._threads
-        for index, weights in enumerate(packed.layers):
-            k_pool, v_pool = np.asarray(self.pool.k[index]), np.asarray(self.pool.v[index])
-            normed = native.rms_norm(x, *weights.input_norm)
-            qkv = native.product(normed, weights.qkv, threads=threads)
-            if deltas is not None:
-                deltas.add_qkv(qkv, normed, index)
-            queries = native.rope_store(
-                qkv,
-                table,
-                heads=heads,
-                kv_heads=kv_heads,
-                traditional=packed.rope_traditional,
-                norms=weights.qk_norms,
-                k_pool=k_pool,
-                v_pool=v_pool,
-                slots=slots,
-            )
-            attended = native.paged_decode(
-                queries,
-                k_pool,
-                v_pool,
-                tables,
-                lengths,
-                block_size=self.pool.block_size,
-                scale=self._scale,
-                threads=threads,
-            ).reshape(len(lengths), -1)
-            out = native.product(attended, weights.o, threads=threads)
-            if deltas is not None:
-                deltas.add(out, attended, index, "self_attn.o_proj")
-            x = x + out
-            normed = native.rms_norm(x, *weights.post_norm)
-            if deltas is not None and deltas.adapts(index, MLP_IN):
-                act = self._adapted_swiglu(index, normed)
-            else:
-                act = native.product(normed, weights.gate_up, threads=threads)
-            out = native.product(act, weights.down, threads=threads)
-            if deltas is not None:
-                deltas.add(out, act, index, "mlp.down_proj")
-            x = x + out
-        return x
-
-    def _adapted_swiglu(self, layer: int, normed: np.ndarray) -> np.ndarray:
-        """SwiGLU of a layer whose gate or up projection a row's adapter covers: MLX's
-        products through the adapted layers (the packed one applies SiLU inside)."""
-        mlp = self._layers[layer].mlp
-        h = mx.array(normed)
-        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        mx.eval(gate, up)
-        return native.swiglu(np.asarray(gate), np.asarray(up))
-
-    def _rope_table(self, positions: mx.array, *, traditional: bool) -> np.ndarray:
-        """Each row's RoPE rotation [rows, head_dim], from the model's own rope module:
-        it rotates a vector that is 1 in each pair's first element and 0 in its second,
-        which leaves (cos, sin) of the pair's angle (times any scale the variant applies)
-        in the pair's place. Every layer's rope is the same module configuration."""
-        dim = self.spec.head_dim
-        basis = np.zeros(dim, dtype=np.float32)
-        if traditional:
-            basis[0::2] = 1.0
-        else:
-            basis[: dim // 2] = 1.0
-        rows = mx.broadcast_to(mx.array(basis), (positions.shape[0], 1, 1, dim))
-        rotated = self._layers[0].self_attn.rope(rows, offset=positions)
-        return np.array(rotated.reshape(positions.shape[0], dim), dtype=np.float32)
 
     def _kernel_attention(
         self, queries: mx.array, layer: int, rows: tuple[np.ndarray, np.ndarray]
@@ -536,11 +463,10 @@ class ModelRunner:
             out = mlp(h)
         return out
 
-    def _logits(self, hidden: Logits) -> Logits:
-        if self._packed is not None:
+    def _logits(self, hidden: Logits) -> mx.array:
+        if self._native is not None:
             assert isinstance(hidden, np.ndarray)
-            rows = native.rms_norm(np.ascontiguousarray(hidden), *self._packed.final_norm)
-            return native.product(rows, self._packed.head, threads=self._threads)
+            return self._native.logits(hidden)
         assert isinstance(hidden, mx.array)
         inner = self.model.model
         normed: mx.array = inner.norm(hidden)

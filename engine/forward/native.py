@@ -346,14 +346,21 @@ def pack_swiglu(
     return PackedWeight(_panels(interleave(gate, up)), bias, k, n, swiglu=True)
 
 
-def product(x: np.ndarray, weight: PackedWeight, *, threads: int) -> np.ndarray:
+def product(
+    x: np.ndarray, weight: PackedWeight, *, threads: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """``x @ weight`` (+ bias), or silu(x @ gate) * (x @ up) for a SwiGLU pack, for x
-    [m, k] float32 -> [m, n]."""
+    [m, k] float32 -> [m, n]; written into ``out`` when given (a C-contiguous float32
+    [m, n] buffer: the view of an MLX array, so the result needs no copy into MLX)."""
     library = _loaded()
     _check_float32("x", x, 2)
     if x.shape[1] != weight.k:
         raise KernelError(f"x has {x.shape[1]} columns, the weight {weight.k} rows")
-    out = np.empty((x.shape[0], weight.n), dtype=np.float32)
+    if out is None:
+        out = np.empty((x.shape[0], weight.n), dtype=np.float32)
+    elif out.shape != (x.shape[0], weight.n) or not out.flags.c_contiguous:
+        raise KernelError(f"out {out.shape} is not a contiguous [{x.shape[0]}, {weight.n}]")
+    _check_float32("out", out, 2)
     status = library.batchd_product(
         x.ctypes.data,
         x.shape[0],

@@ -12,6 +12,7 @@ import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from batchd.config.cluster import is_cluster_url
 from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.bulk import enqueue_bulk
@@ -65,8 +66,20 @@ def _files_dir_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _connection(settings: Settings) -> redis.Redis:
-    return redis_client(settings.connection_url(), socket_connect_timeout=5)
+# Why the bulk commands refuse a Redis Cluster: rq's worker needs one server's pool.
+NO_CLUSTER = (
+    "the bulk queue runs on rq, whose workers do not support Redis Cluster: point "
+    "`batchd bulk` and `batchd bulk-worker` at a standalone or Sentinel Redis"
+)
+
+
+def _connection(settings: Settings) -> redis.Redis | None:
+    """The bulk queue's Redis; None (said on stderr) for a Redis Cluster."""
+    url = settings.connection_url()
+    if is_cluster_url(url):
+        print(f"batchd: {NO_CLUSTER}", file=sys.stderr)
+        return None
+    return redis_client(url, socket_connect_timeout=5)
 
 
 def bulk(args: argparse.Namespace, settings: Settings) -> int:
@@ -78,6 +91,8 @@ def bulk(args: argparse.Namespace, settings: Settings) -> int:
     output. Re-running with the same IN and OUT resumes. A `batchd bulk-worker` runs it.
     """
     connection = _connection(settings)
+    if connection is None:
+        return 2
     try:
         job = enqueue_bulk(
             connection,
@@ -146,9 +161,12 @@ def worker(args: argparse.Namespace, settings: Settings) -> int:
     when none is alive, and requeues the run of a worker that died (every
     bulk.reap_interval_s), which another worker, or this one restarted, resumes.
     """
+    connection = _connection(settings)
+    if connection is None:
+        return 2
     try:
         bulk_worker(
-            _connection(settings),
+            connection,
             files_dir=args.files_dir or settings.bulk.folder(),
             rq_queue_name=args.rq_queue or settings.bulk.rq_queue,
             burst=args.burst,

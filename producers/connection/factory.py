@@ -9,24 +9,39 @@ Callers pass the same keywords in both cases (socket timeouts, retry, health che
 they apply to the master's connections. The Sentinels' connections get short timeouts
 of their own, so one unreachable Sentinel delays a lookup by seconds at most.
 
-The scheme picks the deployment; a Redis Cluster mode would be one more scheme here
-(``redis+cluster://``, redis-py's ``RedisCluster``), with every caller unchanged.
+A ``redis+cluster://`` URL (see :mod:`batchd.config.cluster`) gives redis-py's
+cluster client, which follows ``MOVED``/``ASK`` redirections and retries
+``TRYAGAIN``/``CLUSTERDOWN`` itself; batchd's keys keep every script's keys in one hash
+slot (:mod:`batchd.producers.keys`). A cluster client is not a ``redis.Redis``: callers
+that need one server's commands (a blocking read over several partitions, SCAN) ask
+:func:`is_cluster`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from batchd.config.cluster import is_cluster_url, parse_cluster_url
 from batchd.config.sentinel import SentinelTarget, is_sentinel_url, parse_sentinel_url
 
 # Longest wait on one Sentinel (connect or answer) while looking up the master.
 SENTINEL_TIMEOUT_S = 2.0
+# Keywords of a standalone pool that mean nothing to a cluster client (a blocking pool's
+# wait; the asyncio cluster client takes only the keywords it names).
+_NOT_FOR_CLUSTER = ("timeout", "single_connection_client")
+_ASYNC_CLUSTER_KEYWORDS = frozenset(inspect.signature(AsyncRedisCluster.__init__).parameters)
 # Keywords of a master connection that size the Sentinels' own.
 _SOCKET_OPTIONS = ("socket_connect_timeout", "socket_keepalive", "socket_keepalive_options")
 
@@ -56,9 +71,63 @@ class _AsyncOwnedSentinelBlockingPool(_AsyncOwnedSentinelPool, aioredis.Blocking
     """A Sentinel-managed pool that waits for a free connection (the gateway's)."""
 
 
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` is a Redis Cluster client (sync or asyncio)."""
+    return isinstance(client, RedisCluster | AsyncRedisCluster)
+
+
+# What says a cluster node could not be reached (its slots may have a new primary).
+_NODE_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def reread_cluster(client: object, exc: BaseException) -> None:
+    """After ``exc`` from a Redis Cluster client, when it says a node could not be
+    reached: read the cluster's slots and primaries again, from any node that answers
+    (nothing when none does yet). redis-py 8.1's own refresh after a connection error
+    can keep a killed primary's slots on it for good, so every later command fails."""
+    if isinstance(client, RedisCluster) and isinstance(exc, _NODE_DOWN):
+        with contextlib.suppress(redis.RedisError, RedisClusterException):
+            client.nodes_manager.initialize()
+
+
+async def async_reread_cluster(client: object, exc: BaseException) -> None:
+    """Asyncio twin of :func:`reread_cluster`."""
+    if isinstance(client, AsyncRedisCluster) and isinstance(exc, _NODE_DOWN):
+        with contextlib.suppress(redis.RedisError, RedisClusterException):
+            await client.nodes_manager.initialize()
+
+
+class _RereadingCluster(RedisCluster):
+    """redis-py's cluster client, reading the slots again after a command found a node
+    unreachable (:func:`reread_cluster`), so the next command reaches the replica
+    promoted in a killed primary's place. A pipeline's caller does it itself."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)
+        except _NODE_DOWN as exc:
+            reread_cluster(self, exc)
+            raise
+
+
+class _AsyncRereadingCluster(AsyncRedisCluster):
+    """Asyncio twin of :class:`_RereadingCluster`."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _NODE_DOWN as exc:
+            await async_reread_cluster(self, exc)
+            raise
+
+
 def redis_client(url: str, **options: Any) -> redis.Redis:
-    """A client for the Redis ``url`` names: standalone, or a Sentinel deployment's
-    master. ``options`` are redis-py connection keywords. ValueError on a bad URL."""
+    """A client for the Redis ``url`` names: standalone, a Sentinel deployment's
+    master, or a Redis Cluster (a ``RedisCluster``, typed as the ``redis.Redis`` whose
+    commands it shares). ``options`` are redis-py connection keywords. ValueError on a
+    bad URL."""
+    if is_cluster_url(url):
+        return cluster_client(url, **options)  # type: ignore[return-value]
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)
@@ -67,16 +136,38 @@ def redis_client(url: str, **options: Any) -> redis.Redis:
     return redis.Redis.from_pool(pool)
 
 
+def cluster_client(url: str, **options: Any) -> RedisCluster:
+    """A cluster client for a ``redis+cluster://`` URL."""
+    target = parse_cluster_url(url)
+    nodes = [ClusterNode(host, port) for host, port in target.nodes]
+    own = {k: v for k, v in options.items() if k not in _NOT_FOR_CLUSTER}
+    return _RereadingCluster(startup_nodes=nodes, **{**target.options, **own})
+
+
 def async_redis_client(url: str, **options: Any) -> aioredis.Redis:
     """Asyncio twin of :func:`redis_client`."""
+    if is_cluster_url(url):
+        return async_cluster_client(url, **options)  # type: ignore[return-value]
     return aioredis.Redis.from_pool(async_redis_pool(url, **options))
+
+
+def async_cluster_client(url: str, **options: Any) -> AsyncRedisCluster:
+    """Asyncio twin of :func:`cluster_client`; ``max_connections`` is per node."""
+    target = parse_cluster_url(url)
+    nodes = [AsyncClusterNode(host, port) for host, port in target.nodes]
+    merged = {**target.options, **options}
+    own = {k: v for k, v in merged.items() if k in _ASYNC_CLUSTER_KEYWORDS}
+    return _AsyncRereadingCluster(startup_nodes=nodes, **own)
 
 
 def async_redis_pool(
     url: str, *, blocking: bool = False, **options: Any
 ) -> aioredis.ConnectionPool:
     """An asyncio pool for ``url``; ``blocking`` makes a caller wait for a free
-    connection (``max_connections``, ``timeout``) instead of failing."""
+    connection (``max_connections``, ``timeout``) instead of failing. A Redis Cluster
+    has no one pool: ValueError (use :func:`async_redis_client`)."""
+    if is_cluster_url(url):
+        raise ValueError("a Redis Cluster has a pool per node: open it with async_redis_client")
     if not is_sentinel_url(url):
         plain = aioredis.BlockingConnectionPool if blocking else aioredis.ConnectionPool
         return plain.from_url(url, **options)

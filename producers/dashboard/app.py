@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchd.producers.aio import AsyncClient
-from batchd.producers.connection import redis_client
+from batchd.producers.connection import is_cluster, keys_for, redis_client
 from batchd.producers.dashboard.actions import Actions, refused
 from batchd.producers.dashboard.auth import OperatorAuth, Refused
 from batchd.producers.dashboard.context import Dashboard
@@ -37,7 +37,6 @@ from batchd.producers.dashboard.overview import OverviewSections
 from batchd.producers.dashboard.pages import Pages
 from batchd.producers.dashboard.records.audit import Audit
 from batchd.producers.dashboard.render import HERE, environment
-from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +59,12 @@ SHUTDOWN_S = 5.0
 
 def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
     """The dashboard on one Redis (``redis_url`` never appears in a page)."""
-    keys = Keys(options.prefix)
     client = AsyncClient(
         redis_url, prefix=options.prefix, queue=options.queue, limits=options.limits
     )
     sync = redis_client(redis_url, socket_connect_timeout=5, socket_timeout=10)
+    # Every page names jobs and queues: the deployment's layout is read once, now.
+    keys = keys_for(sync, options.prefix)
     audit = Audit(client.redis, keys)
     collector = LatencyCollector(keys)
     prober = Prober(
@@ -126,7 +126,12 @@ def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
         except (redis.RedisError, OSError) as exc:
             log.warning("first overview probe failed: %s", type(exc).__name__)
         tasks = [asyncio.ensure_future(sampler.run())]
-        if options.latency:
+        if options.latency and is_cluster(client.redis):
+            log.info(
+                "latency charts off: Redis Cluster's sharded channels have no pattern "
+                "subscription to hear every job's tokens"
+            )
+        elif options.latency:
             tasks.append(asyncio.ensure_future(collector.run(client.redis)))
         yield
         for task in tasks:

@@ -17,7 +17,11 @@ from starlette.responses import RedirectResponse, Response
 from batchd.producers.dashboard.context import Dashboard
 from batchd.producers.dashboard.fleet.runs import read_runs
 from batchd.producers.dashboard.overview import OverviewSections
-from batchd.producers.dashboard.records.dead import read_letters
+from batchd.producers.dashboard.records.dead import (
+    count_letters,
+    parse_letter_name,
+    read_letters,
+)
 from batchd.producers.dashboard.records.jobs import load_job
 from batchd.producers.dashboard.records.search import JobQuery, search
 from batchd.producers.schema import JobState
@@ -90,7 +94,7 @@ class Pages:
 
     async def dead_context(self, request: Request) -> dict[str, Any]:
         before = request.query_params.get("before")
-        before = before if before and _is_entry_id(before) else None
+        before = before if before and parse_letter_name(self.dash.keys, before) else None
         letters = await read_letters(
             self.dash.redis,
             self.dash.keys,
@@ -98,7 +102,7 @@ class Pages:
             before=before,
             limits=self.dash.options.limits,
         )
-        total = await self.dash.redis.xlen(self.dash.keys.dead)
+        total = await count_letters(self.dash.redis, self.dash.keys)
         return {
             "letters": letters,
             "total": total,
@@ -138,11 +142,6 @@ def _local(request: Request) -> str:
     """The ``next`` page after login: a path of this site only (no open redirect)."""
     target = request.query_params.get("next", "")
     return target if target.startswith("/") and not target.startswith("//") else ""
-
-
-def _is_entry_id(text: str) -> bool:
-    ms, dash, seq = text.partition("-")
-    return bool(dash) and ms.isdigit() and seq.isdigit()
 
 
 def _int(text: str | None) -> int:

@@ -62,11 +62,13 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
     )
     commands = connections.commands(redis_url, options)
     client = AsyncClient(commands, prefix=options.prefix, queue=options.queue)
+    # The gateway's own records (files, batches, its heartbeat) carry the prefix alone;
+    # job and queue names come from the deployment's layout, read on first use.
     keys = Keys(options.prefix)
-    hub = Hub(connections.reader(redis_url, block_ms=HUB_BLOCK_MS), commands, keys)
+    hub = Hub(connections.reader(redis_url, block_ms=HUB_BLOCK_MS), commands, client.layout)
     meter = Meter()
-    meter.watch(lambda: hub.followed, commands.connection_pool)
-    fleet = Fleet(commands, keys, options.queue)
+    meter.watch(lambda: hub.followed, commands)
+    fleet = Fleet(commands, client.layout, options.queue)
     workers = BulkWorkers(commands, options.prefix, options.rq_queue)
     online = Online(client, fleet, guard, hub, meter, options)
     responses = Responses(online)

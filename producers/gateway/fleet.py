@@ -3,10 +3,12 @@
 Both come from Redis alone: a daemon is live while its heartbeat key exists
 (``<prefix>:daemon:<consumer>``, JSON with ``model`` and ``queues``), and the
 queue's depth is its consumer group's ``lag`` (entries no daemon has read
-yet; XLEN minus pending before Redis 7). Heartbeats are read at most once per
-``cache_s`` and the backlog once per ``backlog_cache_s``, by one request while the
-others wait for its answer, so a burst of requests costs one SCAN and one XINFO, not
-one per request.
+yet; XLEN minus pending before Redis 7), summed over the queue's partitions.
+Heartbeats are read at most once per ``cache_s`` and the backlog once per
+``backlog_cache_s``, by one request while the others wait for its answer, so a
+burst of requests costs one SCAN and one XINFO (per partition), not one per request.
+On a Redis Cluster the SCAN visits every primary, and the heartbeats (one key each,
+in any slot) are read with redis-py's ``mget_nonatomic``.
 
 The bulk workers a gateway's batches would run on are known the same way: a worker
 keeps ``<prefix>:bulk:worker:<name>`` alive while it runs
@@ -31,11 +33,26 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from batchd.producers.bulk_liveness import Liveness, beats_of
+from batchd.producers.connection import is_cluster
 from batchd.producers.keys import CONSUMER_GROUP, Keys
 from batchd.producers.schema import DaemonHeartbeat
 
 SCAN_COUNT = 500
 T = TypeVar("T")
+# Where the key names come from: fixed, or a coroutine function that reads the
+# deployment's layout (an AsyncClient's ``layout``, read once and kept).
+KeysSource = Keys | Callable[[], Awaitable[Keys]]
+
+
+async def keys_from(source: KeysSource) -> Keys:
+    """The key names ``source`` gives."""
+    return source if isinstance(source, Keys) else await source()
+
+
+def get_many(conn: Any, found: list[Any]) -> Any:
+    """MGET of ``found`` (single keys of any slot): one command, or on a Cluster one per
+    slot (``mget_nonatomic``); the values, or (asyncio) an awaitable of them."""
+    return conn.mget_nonatomic(found) if is_cluster(conn) else conn.mget(found)
 
 
 def public_name(model: str) -> str:
@@ -94,7 +111,7 @@ def split_adapter(public: str, served: dict[str, str]) -> tuple[str, str | None]
 def served_models(conn: redis.Redis, keys: Keys, queue: str) -> dict[str, str]:
     """:func:`names` of the live daemons on ``queue``, read now (the batch runner's view)."""
     found = list(conn.scan_iter(keys.daemon_pattern, count=SCAN_COUNT))
-    values: Any = conn.mget(found) if found else []
+    values: Any = get_many(conn, found) if found else []
     return names(live_beats(values, queue))
 
 
@@ -104,7 +121,7 @@ class Fleet:
     def __init__(
         self,
         redis: aioredis.Redis,
-        keys: Keys,
+        keys: KeysSource,
         queue: str,
         *,
         cache_s: float = 1.0,
@@ -121,8 +138,9 @@ class Fleet:
         return await self._daemons.get()
 
     async def _read_daemons(self) -> list[DaemonHeartbeat]:
-        found = [k async for k in self.redis.scan_iter(self.keys.daemon_pattern, count=SCAN_COUNT)]
-        values = await self.redis.mget(found) if found else []
+        pattern = (await keys_from(self.keys)).daemon_pattern
+        found = [k async for k in self.redis.scan_iter(pattern, count=SCAN_COUNT)]
+        values = await get_many(self.redis, found) if found else []
         return live_beats(values, self.queue)
 
     async def models(self) -> list[str]:
@@ -159,7 +177,12 @@ class Fleet:
         return await self._backlog.get()
 
     async def _read_backlog(self) -> int:
-        stream = self.keys.queue(self.queue)
+        keys = await keys_from(self.keys)
+        lags = await asyncio.gather(*map(self._lag, keys.queue_partitions(self.queue)))
+        return sum(lags)
+
+    async def _lag(self, stream: str) -> int:
+        """Entries of one queue partition that no daemon has read yet."""
         try:
             groups: Any = await self.redis.xinfo_groups(stream)
         except aioredis.ResponseError:  # no such stream yet: nothing waits
@@ -192,7 +215,7 @@ class BulkWorkers:
     async def _read(self) -> list[dict[str, Any]]:
         pattern = self.liveness.worker_pattern
         keys = [k async for k in self.redis.scan_iter(pattern, count=SCAN_COUNT)]
-        values = await self.redis.mget(keys) if keys else []
+        values = await get_many(self.redis, keys) if keys else []
         return beats_of(values, self.rq_queue)
 
 

@@ -87,7 +87,7 @@ def test_the_verdict_counts_each_kind_of_failure() -> None:
         client.xadd(KEYS.events("twice"), {EVENT_FIELD: event.encode()}, id=event_id(seq))
     entry = client.xadd(KEYS.queue(), {JOB_FIELD: b"{"}).decode()
     ledger.hostile.append(HostileSend(entry, 0.0, {JOB_FIELD: b"{"}))
-    verdict = judge(jobs, reference, ledger, client, unexpected_exits=0)
+    verdict = judge(jobs, reference, ledger, client, Keys(), unexpected_exits=0)
     assert verdict.completed == 2  # "ok", and "twice" as its client saw it
     assert (verdict.lost, verdict.differing_seeded, verdict.differing_greedy) == (1, 1, 1)
     assert (verdict.broken_streams, verdict.completed_twice) == (1, 1)
@@ -114,7 +114,7 @@ def test_the_verdict_judges_what_a_subscriber_read_as_one_run() -> None:
         ledger.deliver("mixed", event)
     for event in [Event(seq=0, token_id=5), Event(seq=1, finish_reason=FinishReason.error)]:
         ledger.deliver("prefix", event)
-    verdict = judge(jobs, reference, ledger, client, unexpected_exits=0)
+    verdict = judge(jobs, reference, ledger, client, Keys(), unexpected_exits=0)
     assert verdict.differing_unseeded == 1
     assert verdict.mixed_runs == 1 and verdict.lost == 1
     assert verdict.zeros()["streams a subscriber read mixing two runs"] == 1
@@ -131,7 +131,7 @@ def test_the_verdict_counts_a_stored_end_other_than_the_one_read() -> None:
         ledger.deliver("relapsed", event)
     for seq, event in enumerate(_events([5, 6, 7], FinishReason.error)):
         client.xadd(KEYS.events("relapsed"), {EVENT_FIELD: event.encode()}, id=event_id(seq))
-    verdict = judge(jobs, {"relapsed": [5, 6, 7]}, ledger, client, unexpected_exits=0)
+    verdict = judge(jobs, {"relapsed": [5, 6, 7]}, ledger, client, Keys(), unexpected_exits=0)
     assert verdict.completed == 1 and verdict.completed_twice == 0
     assert verdict.zeros()["stored ends differing from the end a subscriber read"] == 1
     assert not verdict.passed
@@ -144,7 +144,7 @@ def test_a_hostile_entry_lost_with_redis_may_still_be_dead_lettered_once() -> No
     ledger = Ledger()
     ledger.hostile_lost.add("1-0")
     client.xadd(KEYS.dead, {"entry": "1-0", "error": "bad"})
-    assert judge([], {}, ledger, client, unexpected_exits=0).unexpected_dead_letters == 0
+    assert judge([], {}, ledger, client, Keys(), unexpected_exits=0).unexpected_dead_letters == 0
     client.xadd(KEYS.dead, {"entry": "1-0", "error": "bad"})
     client.xadd(KEYS.dead, {"entry": "9-9", "error": "bad"})
-    assert judge([], {}, ledger, client, unexpected_exits=0).unexpected_dead_letters == 2
+    assert judge([], {}, ledger, client, Keys(), unexpected_exits=0).unexpected_dead_letters == 2

@@ -46,6 +46,8 @@ def test_a_ready_machine_passes_every_check(tmp_path: Path, redis_server: RedisS
     assert all(c["ok"] for c in checks.values())
     assert "device cpu" in str(checks["MLX"]["detail"]) or "gpu" in str(checks["MLX"]["detail"])
     assert str(checks["C kernels"]["detail"]).startswith(("built (", "not used"))
+    # The forward backend a float32 model would get here, where it samples, and why.
+    assert str(checks["forward backend"]["detail"]).startswith(("native_cpu (", "mlx ("))
     assert "answers" in str(checks["Redis"]["detail"])
 
 

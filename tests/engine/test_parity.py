@@ -38,18 +38,27 @@ def qwen3(qwen3_model: Path) -> tuple[LoadedModel, Reference]:
     return loaded, Reference(loaded.model)
 
 
-def _engine(loaded: LoadedModel, **options: int) -> LLMEngine:
-    config = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "num_kv_blocks": 512}
+def _engine(loaded: LoadedModel, **options: int | str) -> LLMEngine:
+    config: dict[str, int | str] = {
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,
+        "num_kv_blocks": 512,
+    }
     config.update(options)
-    return LLMEngine(loaded, EngineConfig(**config))
+    return LLMEngine(loaded, EngineConfig(**config))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("waves", [1, 4], ids=["together", "staggered"])
-def test_parity_mixed_batches(arch: str, waves: int, request: pytest.FixtureRequest) -> None:
+# auto: the C kernels on an x86 CPU; mlx: the MLX path (BATCHD_NATIVE_ATTENTION=0's),
+# sampling on the device.
+@pytest.mark.parametrize("backend", ["auto", "mlx"])
+def test_parity_mixed_batches(
+    arch: str, waves: int, backend: str, request: pytest.FixtureRequest
+) -> None:
     loaded, ref = request.getfixturevalue(arch)
     reqs = random_requests(32, seed=1, vocab=VOCAB)
-    eng = _engine(loaded)
+    eng = _engine(loaded, forward_backend=backend)
     report = check_parity(ref, reqs, run_engine(eng, reqs, waves=waves))
     assert report.tokens > 500
     assert len(report.divergences) <= 1, report.divergences

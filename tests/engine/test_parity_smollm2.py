@@ -34,16 +34,23 @@ def smollm2(smollm2_model: Path) -> tuple[LoadedModel, Reference]:
     return loaded, Reference(loaded.model)
 
 
-def _engine(loaded: LoadedModel, **options: int) -> LLMEngine:
-    config = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks": 256}
+def _engine(loaded: LoadedModel, **options: int | str) -> LLMEngine:
+    config: dict[str, int | str] = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "num_kv_blocks": 256,
+    }
     config.update(options)
-    return LLMEngine(loaded, EngineConfig(**config))
+    return LLMEngine(loaded, EngineConfig(**config))  # type: ignore[arg-type]
 
 
-def test_parity_mixed_batches(smollm2: tuple[LoadedModel, Reference]) -> None:
+# auto: the C kernels on an x86 CPU; mlx: the MLX path, sampling on the device.
+@pytest.mark.parametrize("backend", ["auto", "mlx"])
+def test_parity_mixed_batches(smollm2: tuple[LoadedModel, Reference], backend: str) -> None:
     loaded, ref = smollm2
     reqs = random_requests(8, seed=1, vocab=VOCAB, prompt_len=(1, 60), max_tokens=(1, 12))
-    report = check_parity(ref, reqs, run_engine(_engine(loaded), reqs, waves=2, gap=3))
+    eng = _engine(loaded, forward_backend=backend)
+    report = check_parity(ref, reqs, run_engine(eng, reqs, waves=2, gap=3))
     assert report.tokens > 40
     assert len(report.divergences) <= 1, report.divergences
 

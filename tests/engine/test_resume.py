@@ -38,12 +38,18 @@ class Run:
         return "".join(self.texts)
 
 
-@pytest.fixture(scope="module")
-def eng(tiny_model: Path) -> LLMEngine:
+@pytest.fixture(scope="module", params=["auto", "mlx"])
+def eng(tiny_model: Path, request: pytest.FixtureRequest) -> LLMEngine:
+    """On both forward backends: the C kernels sampling on the host (auto, on an x86
+    CPU) and MLX sampling on the device."""
     loaded: LoadedModel = load(tiny_model)
-    return LLMEngine(
-        loaded, EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=1024)
+    config = EngineConfig(
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        num_kv_blocks=1024,
+        forward_backend=request.param,
     )
+    return LLMEngine(loaded, config)
 
 
 def _prompt(i: int) -> list[int]:

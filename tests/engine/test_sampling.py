@@ -187,9 +187,16 @@ def loaded(tiny_model: Path) -> LoadedModel:
     return load(tiny_model)
 
 
-def _engine(loaded: LoadedModel) -> LLMEngine:
-    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=128)
+def _engine(loaded: LoadedModel, backend: str = "auto") -> LLMEngine:
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=128, forward_backend=backend
+    )
     return LLMEngine(loaded, config)
+
+
+# Both forward backends: the C kernels sampling on the host (auto, on an x86 CPU) and MLX
+# sampling on the device.
+BACKENDS = pytest.mark.parametrize("backend", ["auto", "mlx"])
 
 
 SEEDED = SamplingParams(temperature=0.8, seed=1234, max_tokens=24, ignore_eos=True)
@@ -203,11 +210,14 @@ def _run(eng: LLMEngine, rid: str) -> list[int]:
     return tokens
 
 
-def test_seeded_request_same_alone_in_busy_batch_and_after_restart(loaded: LoadedModel) -> None:
-    eng = _engine(loaded)
+@BACKENDS
+def test_seeded_request_same_alone_in_busy_batch_and_after_restart(
+    loaded: LoadedModel, backend: str
+) -> None:
+    eng = _engine(loaded, backend)
     eng.add_request("alone", prompt_token_ids=PROMPT, params=SEEDED)
     alone = _run(eng, "alone")
-    busy = _engine(loaded)
+    busy = _engine(loaded, backend)
     rng = np.random.default_rng(0)
     for i in range(7):
         prompt = rng.integers(4, 1000, int(rng.integers(1, 120))).tolist()
@@ -217,13 +227,14 @@ def test_seeded_request_same_alone_in_busy_batch_and_after_restart(loaded: Loade
     busy.add_request("seeded", prompt_token_ids=PROMPT, params=SEEDED)
     assert _run(busy, "seeded") == alone
     # A restart: a new engine (fresh pool and scheduler) over the same weights.
-    restarted = _engine(loaded)
+    restarted = _engine(loaded, backend)
     restarted.add_request("again", prompt_token_ids=PROMPT, params=SEEDED)
     assert _run(restarted, "again") == alone
 
 
-def test_resume_continues_positions_and_max_tokens(loaded: LoadedModel) -> None:
-    eng = _engine(loaded)
+@BACKENDS
+def test_resume_continues_positions_and_max_tokens(loaded: LoadedModel, backend: str) -> None:
+    eng = _engine(loaded, backend)
     eng.add_request("full", prompt_token_ids=PROMPT, params=SEEDED)
     full = _run(eng, "full")
     eng.add_request(

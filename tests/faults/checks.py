@@ -40,26 +40,34 @@ def fake_jobs(n: int, *, prefix: str, max_tokens: int = 30) -> list[dict[str, An
 
 
 def assert_all_done_once(
-    client: redis.Redis, jobs: list[dict[str, Any]], *, timeout: float = 60
+    client: redis.Redis, jobs: list[dict[str, Any]], *, timeout: float = 60, keys: Keys = KEYS
+) -> None:
+    """:func:`assert_one_run`, then nothing pending."""
+    assert_one_run(client, jobs, timeout=timeout, keys=keys)
+    wait_nothing_pending(client, keys=keys)
+
+
+def assert_one_run(
+    client: redis.Redis, jobs: list[dict[str, Any]], *, timeout: float = 60, keys: Keys = KEYS
 ) -> None:
     """Every job: one final event at the end of a gap-free, duplicate-free stream (checked
-    by events_of), the uninterrupted run's tokens, a final status; nothing pending."""
-    done = wait_final(client, KEYS, [job["id"] for job in jobs], timeout=timeout)
+    by events_of), the uninterrupted run's tokens, a final status."""
+    done = wait_final(client, keys, [job["id"] for job in jobs], timeout=timeout)
     for job in jobs:
         events = done[job["id"]]
         assert sum(e.final for e in events) == 1
         expected = expected_fake_tokens(job["prompt_token_ids"], job.get("seed"), job["max_tokens"])
         assert token_ids(events) == expected, job["id"]
-        assert status_of(client, KEYS, job["id"]).state is JobState.finished
-    wait_nothing_pending(client)
+        assert status_of(client, keys, job["id"]).state is JobState.finished
 
 
-def wait_nothing_pending(client: redis.Redis, *, timeout: float = 20) -> None:
+def wait_nothing_pending(client: redis.Redis, *, timeout: float = 20, keys: Keys = KEYS) -> None:
+    """No entry pending in any partition of the default queue."""
     from support.daemon_harness import wait_until
 
     def empty() -> bool:
-        pending: Any = client.xpending(KEYS.queue(), CONSUMER_GROUP)
-        return int(pending["pending"]) == 0
+        streams = keys.queue_partitions()
+        return all(int(client.xpending(s, CONSUMER_GROUP)["pending"]) == 0 for s in streams)
 
     wait_until(empty, timeout=timeout, what="no entry pending")
 

@@ -1,6 +1,8 @@
 """Scenarios 5 and 10: a daemon that must not start refuses with a clear error (the
-``serve`` command exits 2): a consumer name a live daemon holds, a cluster-mode
-server. The live daemon's heartbeat is untouched."""
+``serve`` command exits 2): a consumer name a live daemon holds, a queue layout other
+than the one the data is laid out in, a Cluster node reached by a plain redis:// URL.
+The live daemon's heartbeat is untouched. (A daemon on a real Redis Cluster starts and
+serves: tests/daemon/test_partitioned_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import redis
 
 from batchd.daemon.fleet.heartbeat import ConsumerTaken
 from batchd.daemon.worker.loop import Worker
-from batchd.daemon.worker.redis_io import ClusterUnsupported
+from batchd.daemon.worker.redis_io import ClusterUrlNeeded
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
 from support.daemon_harness import (
     DaemonProcess,
@@ -61,7 +63,22 @@ def test_serve_exits_2_naming_the_holder(
         assert f"pid {w.heartbeat.static['pid']}" in message
 
 
-def test_a_cluster_mode_server_is_refused_at_start(tmp_path: Path) -> None:
+def test_serve_exits_2_when_the_stored_layout_differs(
+    redis_server: RedisServer, tmp_path: Path, tiny_model: Path
+) -> None:
+    client = redis_server.client()
+    client.set(KEYS.layout, '{"partitions": 4}')
+    config = daemon_config(tmp_path, redis_server.url)
+    daemon = DaemonProcess(config, model=tiny_model, log_path=tmp_path / "d.log")
+    assert daemon.wait(60) == 2
+    message = daemon.log_tail()
+    assert "queue.partitions is 1 but the data under prefix 'batchd' is laid out in 4" in message
+    assert "set queue.partitions = 4" in message
+    assert client.get(KEYS.layout) == b'{"partitions": 4}'  # left as it was
+    assert not client.keys("batchd:daemon:*") and not client.exists(KEYS.queue())
+
+
+def test_a_cluster_node_behind_a_plain_url_is_refused_at_start(tmp_path: Path) -> None:
     binary = shutil.which("redis-server")
     assert binary is not None
     port = free_port()
@@ -74,7 +91,7 @@ def test_a_cluster_mode_server_is_refused_at_start(tmp_path: Path) -> None:
         client = redis.Redis(port=port)
         wait_until(lambda: _pings(client), what="cluster node up")
         worker = Worker(fast_settings(f"redis://127.0.0.1:{port}/0"), FakeGenerator(), consumer="c")
-        with pytest.raises(ClusterUnsupported, match="Redis Cluster"):
+        with pytest.raises(ClusterUrlNeeded, match="redis\\+cluster://"):
             worker.run()
     finally:
         proc.kill()

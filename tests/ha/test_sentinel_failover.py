@@ -16,23 +16,20 @@ from typing import Any
 
 import openai
 import pytest
-import redis
+from ha_checks import assert_each_job_once, mid_run, uninterrupted
 
 from batchd.config.sections import GatewaySettings
 from batchd.producers.client import Client
+from batchd.producers.follow import RECONNECT_ERRORS
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.serving.server import uvicorn_config
-from batchd.producers.keys import CONSUMER_GROUP, Keys
-from batchd.producers.schema import Event, JobState
+from batchd.producers.keys import Keys
+from batchd.producers.schema import Event
 from support.asgi import serve_in_thread
 from support.daemon_harness import (
     DaemonProcess,
     daemon_config,
-    events_of,
-    status_of,
-    token_ids,
-    wait_final,
     wait_until,
 )
 from support.redis_server import free_port
@@ -77,7 +74,7 @@ class Producer(threading.Thread):
                 try:
                     self.client.submit_request(request, idempotent=True)
                     break
-                except (redis.ConnectionError, redis.TimeoutError):
+                except RECONNECT_ERRORS:  # a failover's, a cluster's changing hands
                     self.retries += 1
                     time.sleep(0.1)
             self.submitted.append(request["id"])
@@ -164,16 +161,6 @@ class _GatewayLog(logging.Handler):
         logging.getLogger("batchd.producers.gateway").removeHandler(self)
 
 
-def mid_run(conn: redis.Redis, job_ids: list[str]) -> list[str]:
-    """Jobs whose stored stream has tokens and no final event yet."""
-    running = []
-    for job_id in job_ids:
-        last: Any = conn.xrevrange(KEYS.events(job_id), count=1)
-        if last and not Event.decode(last[0][1][b"event"]).final:
-            running.append(job_id)
-    return running
-
-
 @pytest.mark.parametrize("jobs", [10, pytest.param(40, marks=pytest.mark.slow)])
 def test_jobs_across_a_sentinel_failover_complete_once(
     tmp_path: Path, tiny_model: Path, jobs: int
@@ -220,7 +207,9 @@ def _run_across_failover(deployment: SentinelDeployment, gateway_url: str, jobs:
         gateway.start()
         wait_until(lambda: len(producer.submitted) >= KILL_AFTER, timeout=30, what="first jobs")
         with deployment.master.client() as old:
-            wait_until(lambda: bool(mid_run(old, producer.submitted)), timeout=30, what="mid-run")
+            wait_until(
+                lambda: bool(mid_run(old, KEYS, producer.submitted)), timeout=30, what="mid-run"
+            )
         killed_at = time.monotonic()
         deployment.kill_master()
         producer.join_all(timeout=120)
@@ -232,23 +221,6 @@ def _run_across_failover(deployment: SentinelDeployment, gateway_url: str, jobs:
         job_ids = list(producer.submitted)
         assert len(job_ids) == jobs
 
-        # What an uninterrupted run gives: the same requests again, after the failover.
-        reference = {}
-        for i in range(jobs):
-            request = job_request(i, "ref")
-            client.submit_request(request)
-            reference[f"ha{i}"] = token_ids(list(client.stream(request["id"], timeout=60)))
-
-        conn = client.redis
-        stored = wait_final(conn, KEYS, job_ids, timeout=30)
-        for job_id in job_ids:
-            delivered = producer.delivered[job_id]
-            assert [e.seq for e in delivered] == list(range(len(delivered))), job_id
-            assert sum(e.final for e in delivered) == 1 and delivered[-1].final, job_id
-            events = events_of(conn, KEYS, job_id)  # checks seq 0..n-1, final last
-            assert events == stored[job_id]
-            assert sum(e.final for e in events) == 1, job_id
-            assert token_ids(events) == token_ids(delivered) == reference[job_id], job_id
-            assert status_of(conn, KEYS, job_id).state is JobState.finished, job_id
-        pending: Any = conn.xpending(KEYS.queue(), CONSUMER_GROUP)
-        assert int(pending["pending"]) == 0, pending
+        reference = uninterrupted(client, jobs, job_request)
+        delivered = {job_id: producer.delivered[job_id] for job_id in job_ids}
+        assert_each_job_once(client.redis, KEYS, delivered, reference, queues=[KEYS.queue()])

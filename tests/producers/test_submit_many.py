@@ -117,12 +117,13 @@ def test_a_retried_call_is_recognised_by_its_tokens(
 ) -> None:
     """A call whose reply was lost is sent again as is (redis-py's retry): its own jobs
     are found, nothing is queued twice, and no clash is reported."""
-    plan = client.plan_submit_many(
+    call = client.plan_submit_many(
         [{"prompt": "a", "id": "r1"}, {"prompt": "b"}], None, attach=False
     )
+    [plan] = call.parts
     first = client._submit_many(keys=plan.keys, args=plan.args)
     again = client._submit_many(keys=plan.keys, args=plan.args)
-    assert client.check_submitted_many(plan, first) == client.check_submitted_many(plan, again)
+    assert client.check_submitted_many(call, [first]) == client.check_submitted_many(call, [again])
     assert queued_ids(redis_client) == plan.job_ids
 
 

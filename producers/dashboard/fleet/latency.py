@@ -8,7 +8,9 @@ inter-token latency ((finished - first token) / (completion tokens - 1)). Percen
 are over the jobs that finished in the last ``window_s``; failures are kept for the
 "recent errors" list. Pub/Sub is at-most-once: this is a sample, not a ledger (a
 dashboard that is down or slow misses jobs; Redis disconnects a subscriber that falls
-far behind, and the collector then subscribes again).
+far behind, and the collector then subscribes again). On a partitioned layout the
+pattern is ``<prefix>:{*}:job:*:tokens``; on Redis Cluster, whose sharded channels have
+no pattern subscription, the dashboard does not run the collector (and says so).
 """
 
 from __future__ import annotations
@@ -80,13 +82,13 @@ class LatencyCollector:
         self.window_s = window_s
         self.finished: deque[Finished] = deque(maxlen=SAMPLES)
         self.failures: deque[Finished] = deque(maxlen=FAILURES)
-        self.prefix = keys.tokens("x").removesuffix("x:tokens")
 
     def take(self, channel: bytes, data: bytes, *, at: float | None = None) -> None:
         """One message of the pattern subscription."""
         if b'"finish_reason"' not in data:
             return  # a token event: the common case, decided without parsing
-        job_id = channel.decode(errors="replace").removeprefix(self.prefix)
+        # ``...:job:<id>:tokens``, whatever the partition's tag (an id holds no ``:``).
+        job_id = channel.decode(errors="replace").rpartition(":job:")[2]
         job_id = job_id.removesuffix(":tokens")
         try:
             done = finished_from(job_id, Event.decode(data), time.time() if at is None else at)

@@ -7,7 +7,8 @@ depth: a refresh touches a queue's XINFO replies and at most ``band_sample`` ent
 never the whole stream, and no key is searched for. New queues, daemons and gateways
 (their heartbeat keys, batchd.producers.gateway.serving.beat) are found by a SCAN of the
 keyspace every ``discovery_s`` (a daemon also shows up at once as a consumer of a known
-queue). Read-only: nothing here writes a key.
+queue). A queue of several partitions is one row: each partition's stream is read as
+above, and the rows are summed. Read-only: nothing here writes a key.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 
 from batchd.producers.dashboard.records.names import glob_escape
+from batchd.producers.gateway.fleet import get_many
 from batchd.producers.keys import CONSUMER_GROUP, Keys, is_name
 
 SCAN_COUNT = 1000
@@ -119,18 +121,21 @@ class Prober:
         if time.monotonic() - self.discovered_at >= self.discovery_s:
             await self.discover()
         queues = sorted(self.known_queues)
-        first = await self._first_round(queues)
-        consumers = {c for q in queues for c in first.consumers.get(q, ())}
+        parts = {q: self.keys.queue_partitions(q) for q in queues}
+        streams = [stream for q in queues for stream in parts[q]]
+        first = await self._first_round(streams)
+        consumers = {c for stream in streams for c in first.consumers.get(stream, ())}
         beats = await self._beats(consumers - set(first.beats), first.beats)
         named = {str(q) for beat in beats.values() for q in beat.get("queues") or []}
         for extra in sorted(n for n in named - set(queues) if is_name(n)):
             self.known_queues.add(extra)  # a daemon's queue not written to yet: next time
-        waiting = await self._waiting(queues, first)
+        waiting = await self._waiting(streams, first)
         now = time.time()
         daemons = [DaemonRow(name, beat, _age(beat, now)) for name, beat in sorted(beats.items())]
+        rows = {stream: _queue_row(stream, first, waiting.get(stream)) for stream in streams}
         return Fleet(
             at=now,
-            queues=[_queue_row(q, first, waiting.get(q)) for q in queues],
+            queues=[_summed(q, [rows[stream] for stream in parts[q]], first) for q in queues],
             daemons=daemons,
             dead_letters=first.dead_letters,
             took_s=time.perf_counter() - started,
@@ -138,29 +143,38 @@ class Prober:
         )
 
     async def discover(self) -> None:
-        """Walk the keyspace once (SCAN, server-side MATCH) for queues and heartbeats."""
-        queue_prefix, daemon_prefix = self.keys.queue_prefix, self.keys.daemon("")
-        gateway_prefix = self.keys.gateway("")
-        pattern = glob_escape(f"{self.keys.prefix}:") + "[dqg]*"
-        queues, daemons, gateways = set(), set(), set()
-        async for raw in self.redis.scan_iter(match=pattern, count=SCAN_COUNT):
-            name = raw.decode(errors="replace")
-            if name.startswith(queue_prefix):
-                queues.add(name.removeprefix(queue_prefix))
-            elif name.startswith(daemon_prefix):
-                daemons.add(name.removeprefix(daemon_prefix))
-            elif name.startswith(gateway_prefix):
-                gateways.add(name.removeprefix(gateway_prefix))
+        """Walk the keyspace (SCAN, server-side MATCH) for queues and heartbeats: once
+        unpartitioned, else once more per partition (its queues carry its hash tag)."""
+        patterns = [glob_escape(f"{self.keys.prefix}:") + "[dqg]*"]
+        if self.keys.tagged:
+            patterns += self.keys.queue_patterns()
+        queues: set[str] = set()
+        daemons: set[str] = set()
+        gateways: set[str] = set()
+        for pattern in patterns:
+            async for raw in self.redis.scan_iter(match=pattern, count=SCAN_COUNT):
+                self._found(raw.decode(errors="replace"), queues, daemons, gateways)
         self.known_queues = {q for q in queues if is_name(q)}
         self.known_daemons = daemons
         self.known_gateways = gateways
         self.discovered_at = time.monotonic()
 
+    def _found(self, name: str, queues: set[str], daemons: set[str], gateways: set[str]) -> None:
+        """File one key discovery found under what it names."""
+        if (queue := self.keys.queue_name(name)) is not None:
+            queues.add(queue[0])
+        elif name.startswith(daemon_prefix := self.keys.daemon("")):
+            daemons.add(name.removeprefix(daemon_prefix))
+        elif name.startswith(gateway_prefix := self.keys.gateway("")):
+            gateways.add(name.removeprefix(gateway_prefix))
+
     async def _first_round(self, queues: list[str]) -> _FirstRound:
+        """XINFO of each queue stream (``queues``: stream names), the heartbeats, and the
+        dead letters' count."""
         daemons, gateways = sorted(self.known_daemons), sorted(self.known_gateways)
+        dead = self.keys.dead_streams()
         async with self.redis.pipeline(transaction=False) as pipe:
-            for name in queues:
-                stream = self.keys.queue(name)
+            for stream in queues:
                 pipe.xinfo_stream(stream)
                 pipe.xinfo_groups(stream)
                 pipe.xinfo_consumers(stream, CONSUMER_GROUP)
@@ -168,7 +182,8 @@ class Prober:
                 pipe.get(self.keys.daemon(consumer))
             for gateway in gateways:
                 pipe.get(self.keys.gateway(gateway))
-            pipe.xlen(self.keys.dead)
+            for stream in dead:
+                pipe.xlen(stream)
             replies = await pipe.execute(raise_on_error=False)
         out = _FirstRound()
         for i, name in enumerate(queues):
@@ -188,8 +203,8 @@ class Prober:
             beat = _json_object(value)
             if beat is not None:  # None: it stopped or expired since the discovery
                 out.gateways[gateway] = beat
-        dead = replies[-1]
-        out.dead_letters = dead if isinstance(dead, int) else 0
+        counts = replies[len(replies) - len(dead) :]
+        out.dead_letters = sum(n for n in counts if isinstance(n, int))
         return out
 
     async def _beats(
@@ -200,7 +215,8 @@ class Prober:
         fresh = sorted(consumers)
         if not fresh:
             return beats
-        values = await self.redis.mget([self.keys.daemon(c) for c in fresh])
+        found = [self.keys.daemon(c) for c in fresh]
+        values = await get_many(self.redis, found)
         for consumer, value in zip(fresh, values, strict=True):
             beat = _json_object(value)
             if beat is not None:
@@ -209,7 +225,7 @@ class Prober:
         return beats
 
     async def _waiting(self, queues: list[str], first: _FirstRound) -> dict[str, list[Any]]:
-        """The first unread entries of each queue (the second round trip)."""
+        """The first unread entries of each queue stream (the second round trip)."""
         if not queues or self.band_sample <= 0:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -217,7 +233,7 @@ class Prober:
                 group = first.group.get(name)
                 last = _text(group.get("last-delivered-id")) if group else None
                 start = f"({last}" if last and last != "0-0" else "-"
-                pipe.xrange(self.keys.queue(name), min=start, count=self.band_sample)
+                pipe.xrange(name, min=start, count=self.band_sample)
             replies = await pipe.execute(raise_on_error=False)
         return {q: _list(r) for q, r in zip(queues, replies, strict=True)}
 
@@ -253,6 +269,33 @@ def _queue_row(name: str, first: _FirstRound, waiting: list[Any] | None) -> Queu
         sampled=len(entries),
         consumers=len(first.consumers.get(name, ())),
     )
+
+
+def _summed(name: str, rows: list[QueueRow], first: _FirstRound) -> QueueRow:
+    """Queue ``name``'s row from its partitions' (named by stream): counts summed, the
+    oldest waiting entry of any, each consumer counted once."""
+    if len(rows) == 1:
+        return replace(rows[0], name=name)
+    consumers = {c for row in rows for c in first.consumers.get(row.name, ())}
+    oldest = [row.oldest_waiting_at for row in rows if row.oldest_waiting_at is not None]
+    return QueueRow(
+        name=name,
+        length=sum(row.length for row in rows),
+        unread=sum(row.unread for row in rows),
+        pending=sum(row.pending for row in rows),
+        added=_sum_or_none(row.added for row in rows),
+        read=_sum_or_none(row.read for row in rows),
+        oldest_waiting_at=min(oldest, default=None),
+        bands={band: sum(row.bands[band] for row in rows) for band in BANDS},
+        sampled=sum(row.sampled for row in rows),
+        consumers=len(consumers),
+    )
+
+
+def _sum_or_none(values: Iterable[int | None]) -> int | None:
+    """The sum, None when one is unknown."""
+    known = list(values)
+    return None if None in known else sum(v or 0 for v in known)
 
 
 def band_counts(entries: Iterable[dict[bytes, bytes]]) -> dict[str, int]:

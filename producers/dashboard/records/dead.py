@@ -1,5 +1,10 @@
 """Dead letters: reading ``<prefix>:dead`` and re-driving a letter as a new job.
 
+A partitioned layout has a dead-letter stream per partition
+(:meth:`~batchd.producers.keys.Keys.dead_streams`): a page merges their newest letters,
+and a letter is named ``<partition>/<entry id>`` there (its entry id alone when
+unpartitioned), since two streams may hold the same id.
+
 A daemon writes a letter (``id``, ``queue``, ``entry``, ``error``, ``payload``: the
 job's JSON, cut at 4096 bytes) when it refuses a job: bad input, poison (delivered too
 many times), a per-job failure. Re-driving submits the letter's request again under a
@@ -83,6 +88,30 @@ def judge(payload: bytes, limits: LimitSettings | None) -> tuple[dict[str, Any] 
     return data, None
 
 
+def letter_name(keys: Keys, partition: int, entry_id: str) -> str:
+    """How a letter is named (see the module doc)."""
+    return entry_id if keys.partitions == 1 else f"{partition}/{entry_id}"
+
+
+def parse_letter_name(keys: Keys, name: str) -> tuple[int, str] | None:
+    """The partition and entry id a letter's name gives; None for anything else."""
+    partition, slash, entry_id = name.rpartition("/") if keys.partitions > 1 else ("0", "", name)
+    ms, dash, seq = entry_id.partition("-")
+    if not (dash and ms.isdigit() and seq.isdigit() and partition.isdigit()):
+        return None
+    if keys.partitions > 1 and not (slash and int(partition) < keys.partitions):
+        return None
+    return int(partition), entry_id
+
+
+async def count_letters(client: aioredis.Redis, keys: Keys) -> int:
+    """Letters held, over every partition."""
+    async with client.pipeline(transaction=False) as pipe:
+        for stream in keys.dead_streams():
+            pipe.xlen(stream)
+        return sum(await pipe.execute())
+
+
 async def read_letters(
     client: aioredis.Redis,
     keys: Keys,
@@ -91,27 +120,49 @@ async def read_letters(
     before: str | None = None,
     limits: LimitSettings | None = None,
 ) -> list[DeadLetter]:
-    """The newest ``count`` letters (older than entry ``before`` when given)."""
-    top = f"({before}" if before else "+"
-    entries: Any = await client.xrevrange(keys.dead, max=top, min="-", count=count)
-    if not entries:
+    """The newest ``count`` letters (older than letter ``before`` when given: in every
+    partition, older than its entry id)."""
+    after = parse_letter_name(keys, before) if before else None
+    top = f"({after[1]}" if after else "+"
+    async with client.pipeline(transaction=False) as pipe:
+        for stream in keys.dead_streams():
+            pipe.xrevrange(stream, max=top, min="-", count=count)
+        replies: Any = await pipe.execute()
+    found = [
+        (_entry_order(entry), letter_name(keys, k, entry.decode()), fields)
+        for k, entries in enumerate(replies)
+        for entry, fields in entries
+    ]
+    found = sorted(found, key=lambda item: item[0], reverse=True)[:count]
+    if not found:
         return []
-    ids = [entry.decode() for entry, _ in entries]
-    records = await client.hmget(redrives(keys), [f"entry:{i}" for i in ids])
+    records = await client.hmget(redrives(keys), [f"entry:{name}" for _, name, _ in found])
     return [
-        _letter(entry, fields, record, limits)
-        for entry, (_, fields), record in zip(ids, entries, records, strict=True)
+        _letter(name, fields, record, limits)
+        for (_, name, fields), record in zip(found, records, strict=True)
     ]
 
 
 async def read_letter(
     client: aioredis.Redis, keys: Keys, entry: str, limits: LimitSettings | None = None
 ) -> DeadLetter | None:
-    found: Any = await client.xrange(keys.dead, min=entry, max=entry, count=1)
+    """The letter named ``entry``; None when there is none."""
+    named = parse_letter_name(keys, entry)
+    if named is None:
+        return None
+    partition, entry_id = named
+    stream = keys.dead_stream(partition)
+    found: Any = await client.xrange(stream, min=entry_id, max=entry_id, count=1)
     if not found:
         return None
     record = await client.hget(redrives(keys), f"entry:{entry}")
     return _letter(entry, found[0][1], record, limits)
+
+
+def _entry_order(entry: bytes) -> tuple[int, int]:
+    """A stream entry id as numbers, to merge partitions newest first."""
+    ms, _, seq = entry.decode().partition("-")
+    return int(ms), int(seq)
 
 
 def _letter(
@@ -122,7 +173,7 @@ def _letter(
     request, problem = judge(payload, limits)
     return DeadLetter(
         entry=entry,
-        at=int(entry.split("-", 1)[0]) / 1000,
+        at=int(entry.rpartition("/")[2].split("-", 1)[0]) / 1000,
         job_id=text.get("id", b"").decode(errors="replace"),
         queue=text.get("queue", b"").decode(errors="replace"),
         error=text.get("error", b"").decode(errors="replace"),

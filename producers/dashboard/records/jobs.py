@@ -149,7 +149,7 @@ async def find_request(
     queue, entry = page.status.get("queue"), page.status.get("entry")
     if not queue or not is_name(queue):
         return None, "the job names no queue"
-    stream = keys.queue(queue)
+    stream = keys.queue_for(queue, page.job_id)
     if entry:
         found: Any = await client.xrange(stream, min=entry, max=entry, count=1)
         payload = found[0][1].get(JOB_FIELD.encode()) if found else None

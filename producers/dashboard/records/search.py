@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from batchd.producers.connection import is_cluster
 from batchd.producers.dashboard.records.names import glob_escape
 from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, Keys, is_name
 
@@ -74,11 +75,15 @@ async def search(
     max_keys: int = 20_000,
     limit: int = 50,
 ) -> SearchPage:
-    """Up to ``limit`` matching jobs, walking at most about ``max_keys`` keys."""
+    """Up to ``limit`` matching jobs, walking at most about ``max_keys`` keys. On a
+    Redis Cluster, whose SCAN cursor is one per node, an exact id only."""
     rows: list[JobRow] = []
     if cursor == 0 and is_name(query.id):
         rows += await _matching(client, keys, query, [keys.job(query.id)])
-    pattern = glob_escape(keys.job("x").removesuffix("x") + query.id) + "*"
+    if is_cluster(client):
+        return SearchPage(rows[:limit], 0, 0)
+    tag = "{*}:" if keys.tagged else ""  # a partition's tag, whichever
+    pattern = glob_escape(f"{keys.prefix}:") + tag + "job:" + glob_escape(query.id) + "*"
     steps = 0
     seen = {row.id for row in rows}
     while steps * SCAN_COUNT < max_keys and len(rows) < limit:
@@ -101,14 +106,13 @@ async def _matching(
 ) -> list[JobRow]:
     if not names:
         return []
-    prefix = keys.job("x").removesuffix("x")
     async with client.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.hmget(name, FIELDS)
         replies = await pipe.execute(raise_on_error=False)
     rows = []
     for name, values in zip(names, replies, strict=True):
-        job_id = name.removeprefix(prefix)
+        job_id = name.rpartition(":job:")[2]  # whatever the partition's tag
         if not isinstance(values, list) or values[0] is None or not is_name(job_id):
             continue
         row = _row(job_id, values)
@@ -145,8 +149,9 @@ async def _metadata(
             entries.append((i, reply[0].decode(), reply[1].decode()))
     if entries:
         async with client.pipeline(transaction=False) as pipe:
-            for _, queue, entry in entries:
-                pipe.xrange(keys.queue(queue), min=entry, max=entry, count=1)
+            for i, queue, entry in entries:
+                stream = keys.queue_for(queue, rows[i].id)
+                pipe.xrange(stream, min=entry, max=entry, count=1)
             found = await pipe.execute(raise_on_error=False)
         for (i, _, _), reply in zip(entries, found, strict=True):
             if isinstance(reply, list) and reply:

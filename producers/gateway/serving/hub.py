@@ -13,6 +13,12 @@ status nor an event for ``missing_timeout_s`` fails with JobNotFound, and a lost
 connection is retried (backing off to ``retry_max_s``) and caught up from the last seq;
 only an outage longer than ``outage_timeout_s`` fails the jobs followed. A failure that
 belongs to one job (a gap in its stream) fails that job alone.
+
+On a Redis Cluster one XREAD reaches the keys of one hash slot, so the hub keeps a
+:class:`Lane` per partition, each with its own blocked read and wake stream (in the
+partition's slot): a token reaches its request as soon as on a single Redis, for one
+blocked connection per partition. Elsewhere one lane follows every job, as above. The
+key layout is read once, on the first subscription.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from batchd.producers.connection import async_reread_cluster, is_cluster
 from batchd.producers.errors import JobNotFound, ProtocolError
-from batchd.producers.follow import EventCursor, read_reply
+from batchd.producers.follow import RECONNECT_ERRORS, EventCursor, read_reply
+from batchd.producers.gateway.fleet import KeysSource, keys_from
 from batchd.producers.keys import Keys
 from batchd.producers.schema import Event, JobStatus
 
@@ -39,7 +47,7 @@ log = logging.getLogger(__name__)
 READ_COUNT = 512
 WAKE_MAXLEN = 16
 WAKE_TTL_MS = 60_000
-OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+OUTAGE_ERRORS = RECONNECT_ERRORS
 
 
 class Subscription:
@@ -81,15 +89,29 @@ class Subscription:
         self._queue.put_nowait(item)
 
 
+class Lane:
+    """The jobs one blocking XREAD follows, with the wake stream that ends it early."""
+
+    def __init__(self, wake_key: str) -> None:
+        self.wake_key = wake_key
+        self.wake_id = "0-0"
+        self.subs: dict[str, Subscription] = {}
+        self.added = asyncio.Event()
+        self.blocked = False
+        self.woken = False
+        self.outage_since: float | None = None
+
+
 class Hub:
-    """Follows jobs for many requests over ``conn`` (a connection of its own: it blocks);
-    wakes go through ``pooled``. Run :meth:`run` as a task while the gateway serves."""
+    """Follows jobs for many requests over ``conn`` (a client of its own: it blocks);
+    wakes go through ``pooled``. Run :meth:`run` as a task while the gateway serves.
+    ``layout``: the key names, or a coroutine function giving them (called once)."""
 
     def __init__(
         self,
         conn: aioredis.Redis,
         pooled: aioredis.Redis,
-        keys: Keys,
+        layout: KeysSource,
         *,
         block_ms: int = 1000,
         status_interval_s: float = 1.0,
@@ -99,53 +121,77 @@ class Hub:
     ) -> None:
         self.conn = conn
         self.pooled = pooled
-        self.keys = keys
+        self._layout = layout
+        self.keys: Keys | None = None
         self.block_ms = block_ms
         self.status_interval_s = status_interval_s
         self.missing_timeout_s = missing_timeout_s
         self.outage_timeout_s = outage_timeout_s
         self.retry_max_s = retry_max_s
-        self.wake_key = f"{keys.prefix}:gateway:wake:{secrets.token_hex(8)}"
-        self._wake_id = "0-0"
-        self._subs: dict[str, Subscription] = {}
-        self._added = asyncio.Event()
-        self._blocked = False
-        self._woken = False
+        self._token = secrets.token_hex(8)
+        self._lanes: list[Lane] = []
+        self._ready = asyncio.Event()
         self._stopping = False
-        self.outage_since: float | None = None
 
     @property
     def followed(self) -> int:
-        return len(self._subs)
+        return sum(len(lane.subs) for lane in self._lanes)
+
+    @property
+    def outage_since(self) -> float | None:
+        """Since when a lane's reads have been failing (None: none is)."""
+        since = [lane.outage_since for lane in self._lanes if lane.outage_since is not None]
+        return min(since, default=None)
+
+    async def _lane_of(self, job_id: str) -> tuple[Keys, Lane]:
+        """The key names (read on first use) and the lane following ``job_id``."""
+        if self.keys is None:
+            self.keys = await keys_from(self._layout)
+        keys = self.keys
+        if not self._lanes:
+            if is_cluster(self.conn):
+                heads = [keys.head(k) for k in range(keys.partitions)]
+            else:
+                heads = [f"{keys.prefix}:"]
+            self._lanes = [Lane(f"{head}gateway:wake:{self._token}") for head in heads]
+            self._ready.set()
+        lane = self._lanes[keys.partition(job_id) if len(self._lanes) > 1 else 0]
+        return keys, lane
 
     @asynccontextmanager
     async def subscribe(self, job_id: str) -> AsyncIterator[Subscription]:
         """Follow ``job_id`` for the duration of the block."""
-        sub = Subscription(job_id, self.keys)
+        keys, lane = await self._lane_of(job_id)
+        sub = Subscription(job_id, keys)
         key = sub.cursor.events_key
-        self._subs[key] = sub
-        self._added.set()
+        lane.subs[key] = sub
+        lane.added.set()
         try:
-            await self._wake()
+            await self._wake(lane)
             yield sub
         finally:
             sub.closed = True
-            if self._subs.get(key) is sub:
-                del self._subs[key]
+            if lane.subs.get(key) is sub:
+                del lane.subs[key]
 
-    async def _wake(self) -> None:
-        """End the blocked read so that it names the new stream (one wake per read; a
-        read cannot be cancelled midway: redis-py waits it out)."""
-        if not self._blocked or self._woken:
+    async def _wake(self, lane: Lane) -> None:
+        """End the lane's blocked read so that it names the new stream (one wake per
+        read; a read cannot be cancelled midway: redis-py waits it out)."""
+        if not lane.blocked or lane.woken:
             return
-        self._woken = True
+        lane.woken = True
         try:
             pipe = self.pooled.pipeline(transaction=False)
-            pipe.xadd(self.wake_key, {"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
-            pipe.pexpire(self.wake_key, WAKE_TTL_MS)
+            pipe.xadd(lane.wake_key, {"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
+            pipe.pexpire(lane.wake_key, WAKE_TTL_MS)
             await pipe.execute()
         except OUTAGE_ERRORS:  # the read ends by itself within block_ms
-            self._woken = False
+            lane.woken = False
+
+    async def wake_all(self) -> None:
+        """End every lane's read in flight (at a stop)."""
+        for lane in self._lanes:
+            await self._wake(lane)
 
     def stop(self) -> None:
         """Make :meth:`run` return (also when a cancelled read ends in an error)."""
@@ -153,98 +199,105 @@ class Hub:
 
     async def run(self) -> None:
         """Read for every subscription until :meth:`stop` (or cancelled)."""
+        await self._ready.wait()
+        await asyncio.gather(*(self._follow(lane) for lane in self._lanes))
+
+    async def _follow(self, lane: Lane) -> None:
+        """One lane's reads until :meth:`stop`."""
         attempt = 0
         while not self._stopping:
-            if not self._subs:
-                self._added.clear()
-                await self._added.wait()
+            if not lane.subs:
+                lane.added.clear()
+                await lane.added.wait()
                 continue
             try:
-                await self._check_status()
-                await self._read()
+                await self._check_status(lane)
+                await self._read(lane)
             except OUTAGE_ERRORS as exc:
                 if self._stopping:  # a cancelled read can end as a timeout
                     return
                 attempt += 1
-                await asyncio.sleep(self._outage(exc, attempt))
+                await async_reread_cluster(self.conn, exc)
+                await asyncio.sleep(self._outage(lane, exc, attempt))
                 continue
             except redis.ResponseError as exc:
                 attempt += 1
                 if str(exc).startswith("UNBLOCKED"):  # a failover ended the read
-                    await asyncio.sleep(self._outage(exc, attempt))
+                    await asyncio.sleep(self._outage(lane, exc, attempt))
                 else:
-                    self._fail_all(exc)
+                    self._fail_all(lane, exc)
                     await asyncio.sleep(self.retry_max_s)
                 continue
             except Exception as exc:  # a bug: fail the requests, keep serving
                 log.exception("events read failed")
-                self._fail_all(exc)
+                self._fail_all(lane, exc)
                 await asyncio.sleep(self.retry_max_s)
                 continue
-            if self.outage_since is not None:
-                log.info("events reads resumed after %.1f s", time.monotonic() - self.outage_since)
-            self.outage_since, attempt = None, 0
+            if lane.outage_since is not None:
+                log.info("events reads resumed after %.1f s", time.monotonic() - lane.outage_since)
+            lane.outage_since, attempt = None, 0
 
-    def _outage(self, exc: BaseException, attempt: int) -> float:
+    def _outage(self, lane: Lane, exc: BaseException, attempt: int) -> float:
         """Note a failed read; the pause before the next. Past ``outage_timeout_s`` every
-        job followed fails with ``exc``."""
+        job the lane follows fails with ``exc``."""
         now = time.monotonic()
-        if self.outage_since is None:
-            self.outage_since = now
+        if lane.outage_since is None:
+            lane.outage_since = now
             log.warning("events reads failing: %s", type(exc).__name__)
-        elif now - self.outage_since > self.outage_timeout_s:
-            self._fail_all(exc)
+        elif now - lane.outage_since > self.outage_timeout_s:
+            self._fail_all(lane, exc)
         return float(min(self.retry_max_s, 0.02 * 2 ** (attempt - 1)))
 
-    async def _read(self) -> None:
-        streams: dict[Any, Any] = {self.wake_key: self._wake_id}
-        streams.update({key: sub.cursor.last_id for key, sub in self._subs.items()})
-        self._blocked, self._woken = True, False
+    async def _read(self, lane: Lane) -> None:
+        streams: dict[Any, Any] = {lane.wake_key: lane.wake_id}
+        streams.update({key: sub.cursor.last_id for key, sub in lane.subs.items()})
+        lane.blocked, lane.woken = True, False
         try:
             raw = await self.conn.xread(streams, count=READ_COUNT, block=self.block_ms)
         finally:
-            self._blocked = False
-        self._route(read_reply(raw))
+            lane.blocked = False
+        self._route(lane, read_reply(raw))
 
-    def _route(self, reply: dict[str, list[Any]]) -> None:
+    def _route(self, lane: Lane, reply: dict[str, list[Any]]) -> None:
         now = time.monotonic()
         for key, entries in reply.items():
-            if key == self.wake_key:
+            if key == lane.wake_key:
                 if entries:
                     last = entries[-1][0]
-                    self._wake_id = last.decode() if isinstance(last, bytes) else str(last)
+                    lane.wake_id = last.decode() if isinstance(last, bytes) else str(last)
                 continue
-            sub = self._subs.get(key)
+            sub = lane.subs.get(key)
             if sub is None:
                 continue
             sub.cursor.quiet_since = now
             try:
                 events = sub.cursor.accept(entries)
             except ProtocolError as exc:
-                self._drop(key, exc)
+                self._drop(lane, key, exc)
                 continue
             for event in events:
                 sub.deliver(event)
             if sub.cursor.done:
-                del self._subs[key]
+                del lane.subs[key]
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for key in list(self._subs):
-            self._drop(key, exc)
+    def _fail_all(self, lane: Lane, exc: BaseException) -> None:
+        for key in list(lane.subs):
+            self._drop(lane, key, exc)
 
-    def _drop(self, key: str, exc: BaseException) -> None:
-        sub = self._subs.pop(key, None)
+    @staticmethod
+    def _drop(lane: Lane, key: str, exc: BaseException) -> None:
+        sub = lane.subs.pop(key, None)
         if sub is not None:
             sub.deliver(exc)
 
-    async def _check_status(self) -> None:
+    async def _check_status(self, lane: Lane) -> None:
         """Status hashes of the jobs quiet for ``status_interval_s`` (and of new ones):
         a job that ended without a final event gets one from its status."""
         now = time.monotonic()
         every = self.status_interval_s
         due = [
             (key, sub)
-            for key, sub in self._subs.items()
+            for key, sub in lane.subs.items()
             if not sub.cursor.status_checked or now - sub.cursor.quiet_since >= every
         ]
         if not due:
@@ -262,28 +315,28 @@ class Hub:
             elif cursor.missing_since is None:
                 cursor.missing_since = now
             elif now - cursor.missing_since >= self.missing_timeout_s:
-                self._drop(key, JobNotFound(cursor.job_id))
+                self._drop(lane, key, JobNotFound(cursor.job_id))
                 continue
             status = _status_or_none(data)
             if status is not None and status.state.terminal:
                 cursor.ended = status
                 ended.append(key)
         if ended:
-            await self._end_from_status(ended)
+            await self._end_from_status(lane, ended)
 
-    async def _end_from_status(self, keys: list[str]) -> None:
+    async def _end_from_status(self, lane: Lane, keys: list[str]) -> None:
         """Read the ended jobs' streams to their end (the daemon writes the final event
         before the status); those with no final event get one made from the status."""
-        left = [k for k in keys if k in self._subs]
+        left = [k for k in keys if k in lane.subs]
         while left:
-            streams: dict[Any, Any] = {key: self._subs[key].cursor.last_id for key in left}
+            streams: dict[Any, Any] = {key: lane.subs[key].cursor.last_id for key in left}
             reply = read_reply(await self.conn.xread(streams, count=READ_COUNT))
-            self._route(reply)
+            self._route(lane, reply)
             full = {k for k, entries in reply.items() if len(entries) >= READ_COUNT}
-            for key in [k for k in left if k not in full and k in self._subs]:
-                sub = self._subs.pop(key)
+            for key in [k for k in left if k not in full and k in lane.subs]:
+                sub = lane.subs.pop(key)
                 sub.deliver(sub.cursor.final_from_status())
-            left = [k for k in left if k in full and k in self._subs]
+            left = [k for k in left if k in full and k in lane.subs]
 
 
 def _status_or_none(data: dict[Any, Any]) -> JobStatus | None:
@@ -302,7 +355,7 @@ async def running(hub: Hub) -> AsyncIterator[Hub]:
     finally:
         hub.stop()
         with contextlib.suppress(*OUTAGE_ERRORS):
-            await hub._wake()  # end the read in flight now, not at its block's end
+            await hub.wake_all()  # end the reads in flight now, not at their block's end
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

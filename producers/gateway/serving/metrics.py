@@ -4,7 +4,8 @@ Per route (its template, e.g. ``/v1/batches/{batch_id}``; ``other`` for a path n
 has): requests by method and status, requests in flight, the time to the whole answer
 (to the end of a stream), and for generation routes the time to the first token as the
 client sees it (from the request's arrival to the first token sent). Plus the jobs the
-gateway follows and the connections its Redis pool holds. Each app has its own registry.
+gateway follows and the connections its Redis pool holds (its nodes' pools, on a Redis
+Cluster). Each app has its own registry.
 """
 
 from __future__ import annotations
@@ -67,15 +68,11 @@ class Meter:
             registry=r,
         )
 
-    def watch(self, followed: Callable[[], int], pool: Any) -> None:
-        """Read the hub's and the pool's figures at each scrape."""
+    def watch(self, followed: Callable[[], int], redis: Any) -> None:
+        """Read the hub's and the Redis client's figures at each scrape."""
         self.followed.set_function(lambda: float(followed()))
-        self.redis_connections.labels("in_use").set_function(
-            lambda: float(len(getattr(pool, "_in_use_connections", ())))
-        )
-        self.redis_connections.labels("open").set_function(
-            lambda: float(len(getattr(pool, "_connections", ())))
-        )
+        self.redis_connections.labels("in_use").set_function(lambda: connections(redis)[0])
+        self.redis_connections.labels("open").set_function(lambda: connections(redis)[1])
 
     def token_sent(self, route: str, started: float) -> None:
         """A request's first token went to its client (``started``: time.monotonic() at
@@ -84,6 +81,18 @@ class Meter:
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def connections(redis: Any) -> tuple[float, float]:
+    """Connections in use and open of a client: its pool's, or on a Redis Cluster summed
+    over the pools of its nodes (redis-py keeps no public count of either)."""
+    pool = getattr(redis, "connection_pool", None)
+    if pool is not None:
+        in_use = len(pool._in_use_connections)
+        return in_use, in_use + len(pool._available_connections)
+    nodes = redis.get_nodes()
+    opened = sum(len(node._connections) for node in nodes)
+    return opened - sum(len(node._free) for node in nodes), opened
 
 
 class MetricsMiddleware:

@@ -320,6 +320,8 @@ def _every_option_changed() -> EngineConfig:
         "kv_group_size": 32,
         "adapters": {"support": "/srv/adapters/support"},
         "max_resident_adapters": 2,
+        "forward_backend": "mlx",
+        "sampler": "host",
     }
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new option"
     return EngineConfig(**changed)

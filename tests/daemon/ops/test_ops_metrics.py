@@ -57,6 +57,8 @@ def test_metrics_move_with_the_jobs_run(
         before = scrape(port)
         assert total(before, "batchd_output_tokens_total") == 0
         assert total(before, "batchd_info", model=str(tiny_model)) == 1
+        # The forward backend chosen at start, with its sampler and the reason, once.
+        assert total(before, "batchd_engine_backend_info") == 1
 
         jobs = mixed_jobs(12, prefix="p", seed=3, max_tokens=(20, 60))
         for job in jobs:

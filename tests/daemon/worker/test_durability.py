@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from test_serve import ChannelRecorder
 
 from batchd.producers.client import Client
 from batchd.producers.keys import CONSUMER_GROUP, JOB_FIELD, Keys
 from batchd.producers.schema import JobState, job_seed
 from support.daemon_harness import (
+    ENGINE_OPTS,
     DaemonProcess,
     Reference,
     daemon_config,
@@ -54,6 +56,26 @@ def _check(
     )
 
 
+def backend_reference(tiny_model: Path, backend: str) -> Reference:
+    """The daemon tests' reference (tests/daemon/conftest.py) on ``backend``."""
+    from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+    from batchd.producers.schema import validate_job
+
+    engine = LLMEngine.from_pretrained(
+        tiny_model, EngineConfig(**ENGINE_OPTS, forward_backend=backend)
+    )
+
+    def run(jobs: list[dict[str, Any]]) -> dict[str, list[int]]:
+        requests = [validate_job(job) for job in jobs]
+        outputs = engine.generate(
+            [r.prompt_token_ids or [] for r in requests],
+            [SamplingParams(**r.sampling()) for r in requests],
+        )
+        return {str(r.id): out for r, out in zip(requests, outputs, strict=True)}
+
+    return run
+
+
 CRASHES = [
     # (moment, consumer name of the daemon that crashes there: None = host:pid)
     ("prefill:3", "stable"),
@@ -72,6 +94,7 @@ def _crashes_then_finish(
     crashes: list[tuple[list[str], str | None]],
     *,
     final_faults: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> str:
     """One daemon per crash (its support.faulty_serve options, its consumer name: None
     for host:pid), each of which must die by SIGKILL, then a last daemon that finishes
@@ -87,12 +110,17 @@ def _crashes_then_finish(
             log_path=tmp_path / f"d{n}.log",
             faults=faults,
             consumer=consumer,
+            env=env,
         )
         rc = daemon.wait(90)
         logs.append(daemon.log_path.read_text())
         assert rc == -signal.SIGKILL, f"{faults}: exit {rc}\n{daemon.log_tail()}"
     final = DaemonProcess(
-        config, model=tiny_model, log_path=tmp_path / "final.log", faults=final_faults or []
+        config,
+        model=tiny_model,
+        log_path=tmp_path / "final.log",
+        faults=final_faults or [],
+        env=env,
     )
     try:
         _check(redis_server, expected)
@@ -117,13 +145,24 @@ def test_kill9_at_five_moments_loses_nothing(
     assert "resumed at seq" in logs
 
 
+@pytest.mark.parametrize("backend", ["auto", "mlx"])
 def test_unseeded_sampled_job_killed_mid_run_streams_one_run(
-    tmp_path: Path, redis_server: RedisServer, tiny_model: Path, reference: Reference
+    tmp_path: Path,
+    redis_server: RedisServer,
+    tiny_model: Path,
+    reference: Reference,
+    backend: str,
 ) -> None:
     """Temperature-1 jobs without a seed (half from the client, half XADDed raw as a
     JSON-Schema producer would) survive two kill -9s mid-run: each samples with
     job_seed(id), so the resumed run equals an uninterrupted one and every token a
-    subscriber read before a crash is the final one at its seq."""
+    subscriber read before a crash is the final one at its seq. On both forward
+    backends: auto (the C kernels on an x86 CPU, sampling on the host) and mlx
+    (sampling on the device)."""
+    env = None
+    if backend != "auto":
+        env = {"BATCHD_ENGINE__FORWARD_BACKEND": backend}
+        reference = backend_reference(tiny_model, backend)
     jobs = [
         {"id": f"u{i}", "prompt_token_ids": [5 + i, 17, 33, 71], "max_tokens": 120}
         for i in range(8)
@@ -142,10 +181,11 @@ def test_unseeded_sampled_job_killed_mid_run_streams_one_run(
         (["--crash", "decode:40"], None),
     ]
     try:
-        logs = _crashes_then_finish(tmp_path, redis_server, tiny_model, expected, crashes)
+        logs = _crashes_then_finish(tmp_path, redis_server, tiny_model, expected, crashes, env=env)
     finally:
         recorder.close()
     assert "resumed at seq" in logs
+    assert f"forward backend: {'mlx' if backend == 'mlx' else 'native_cpu'}" in logs
     for job_id, tokens in expected.items():
         read = recorder.tokens.get(job_id, [])
         assert read, f"{job_id}: no subscriber saw it run"

@@ -42,6 +42,19 @@ def test_a_failover_s_errors_are_waited_out() -> None:
     assert asyncio.run(outlast(call, 5.0, "submit")) == 4
 
 
+def test_a_cluster_changing_hands_is_waited_out() -> None:
+    """A slot without a primary yet, a migrating slot, the cluster client's redirections
+    used up, a node's pool full: transient on a Redis Cluster."""
+    call = Flaky(
+        redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        redis.exceptions.TryAgainError("TRYAGAIN Multiple keys request during rehashing"),
+        redis.exceptions.ClusterError("TTL exhausted."),
+        redis.exceptions.SlotNotCoveredError("Slot 12 is not covered by the cluster."),
+        redis.exceptions.MaxConnectionsError("Too many connections"),
+    )
+    assert asyncio.run(outlast(call, 5.0, "submit")) == 6
+
+
 def test_an_outage_longer_than_the_bound_fails_with_its_error() -> None:
     call = Flaky(*[redis.ConnectionError(f"down {i}") for i in range(100)])
     started = time.monotonic()

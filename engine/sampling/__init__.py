@@ -1,0 +1,1 @@
+"""Sampling a step's logits: on the device as MLX ops, or on the host with NumPy."""
