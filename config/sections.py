@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from batchd.config.cluster import is_cluster_url
 from batchd.config.limits import NAME_PATTERN, Section
 from batchd.config.paths import gateway_files
+from batchd.config.sentinel import is_sentinel_url, parse_sentinel_url
 
 RQ_QUEUE = "batchd-bulk"
 
@@ -97,6 +99,11 @@ class BulkSettings(Section):
     the user's data folder)."""
     rq_queue: str = Field(RQ_QUEUE, pattern=NAME_PATTERN)
     """The rq queue bulk runs and batches are enqueued on and workers take them from."""
+    rq_redis_url: str | None = None
+    """The Redis (standalone, or `redis+sentinel://`) holding rq's queue, registries and
+    the bulk workers' heartbeats; the batchd jobs of a run still go to the deployment's
+    own Redis. Unset: the deployment's URL. Required on Redis Cluster, where rq's workers
+    do not run (docs/bulk.md#on-redis-cluster)."""
     window: int = Field(64, ge=1)
     """Most jobs of one `batchd bulk` run in flight at once."""
     fork: bool = True
@@ -109,6 +116,15 @@ class BulkSettings(Section):
     is alive, and the run it held is requeued for another (or a restarted) worker."""
     reap_interval_s: float = Field(5.0, gt=0)
     """How often each worker looks for runs whose runner died, to requeue them."""
+
+    @field_validator("rq_redis_url")
+    @classmethod
+    def _not_cluster(cls, value: str | None) -> str | None:
+        if value is not None and is_cluster_url(value):
+            raise ValueError("rq does not run on Redis Cluster: name a standalone or Sentinel one")
+        if value is not None and is_sentinel_url(value):
+            parse_sentinel_url(value)  # ValueError naming the bad part
+        return value
 
     def folder(self) -> Path:
         """``files_dir``, or its default under batchd's state home."""

@@ -26,12 +26,12 @@ from typing import Any
 
 import orjson
 import redis
-from rq import Retry, get_current_job
+from rq import Retry
 from rq.job import Job
 
 from batchd.config.limits import LimitSettings
 from batchd.producers.bulk_files import FilesDir
-from batchd.producers.bulk_run import LineSource, execute
+from batchd.producers.bulk_run import LineSource, deployment_connection, execute
 from batchd.producers.bulk_worker import RQ_QUEUE, rq_queue
 from batchd.producers.errors import ValidationError
 from batchd.producers.gateway.batch_lines import custom_id_of, is_openai_line, openai_job
@@ -125,10 +125,7 @@ def run_bulk(
     ``files_dir`` is the worker's own (:class:`~batchd.producers.bulk_worker.BulkWorker`
     sets it; a job cannot). Outside an rq worker, pass ``connection``.
     """
-    rq_job = get_current_job()
-    conn = connection if connection is not None else rq_job.connection if rq_job else None
-    if conn is None:
-        raise ValueError("run_bulk needs a Redis connection outside an rq worker")
+    conn = deployment_connection("run_bulk", connection)
     check_name("run", run)
     settings = LimitSettings.model_validate(limits) if limits else None
     return execute(

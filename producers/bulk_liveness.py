@@ -3,7 +3,7 @@
 rq learns that a worker died only when its registries are cleaned (every 10 minutes)
 and its job's heartbeat has lapsed (a minute and a half): a batch whose worker was
 killed showed ``in_progress`` with frozen counts for a quarter of an hour. batchd keeps
-its own, shorter, liveness in Redis:
+its own, shorter, liveness in rq's Redis (``bulk.rq_redis_url``, else the deployment's):
 
 - ``<prefix>:bulk:worker:<name>``: set by each worker every ``interval_s`` with a TTL of
   ``ttl_s`` (JSON: name, rq queue, host, pid, time). The gateway reads these to say

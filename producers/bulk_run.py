@@ -4,6 +4,10 @@ Shared by ``batchd bulk`` (:mod:`batchd.producers.bulk`) and the Batch API's run
 (:mod:`batchd.producers.gateway.batch_run`); what a line may say and whose jobs it makes
 is the :class:`LineSource`'s to decide. Every line is judged alone: one that does not
 decode, parse or validate becomes one error record and the others run.
+
+A run's batchd jobs go to the deployment's Redis, which need not be rq's: on Redis
+Cluster rq has a Redis of its own (``bulk.rq_redis_url``), so the worker names the
+deployment's connection to the runs it performs (:func:`deployment`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import KW_ONLY, dataclass, field
 from typing import IO, Any
 
@@ -28,6 +34,34 @@ from batchd.producers.schema import Event, JobRequest
 
 PROGRESS_EVERY_S = 0.5
 MAX_WINDOW = 4096
+
+# The deployment's Redis, named by the worker performing a run (see the module doc).
+_DEPLOYMENT: ContextVar[redis.Redis | None] = ContextVar("batchd_deployment", default=None)
+
+
+@contextmanager
+def deployment(conn: redis.Redis | None) -> Iterator[None]:
+    """Within this block, runs send their batchd jobs to ``conn`` (None: to rq's Redis)."""
+    token = _DEPLOYMENT.set(conn)
+    try:
+        yield
+    finally:
+        _DEPLOYMENT.reset(token)
+
+
+def deployment_connection(what: str, connection: redis.Redis | None = None) -> redis.Redis:
+    """The Redis the batchd jobs of the run ``what`` go to: ``connection`` when given,
+    else the one the worker named (:func:`deployment`), else the rq job's own."""
+    if connection is not None:
+        return connection
+    named = _DEPLOYMENT.get()
+    if named is not None:
+        return named
+    rq_job = get_current_job()
+    if rq_job is None:
+        raise ValueError(f"{what} needs a Redis connection outside an rq worker")
+    conn: redis.Redis = rq_job.connection
+    return conn
 
 
 class LineSource(ABC):

@@ -17,8 +17,10 @@ can write that hash. So:
 - the worker sets ``files_dir`` itself (its own folder; a job cannot name one), and the
   bulk functions open only plain names inside it (:mod:`batchd.producers.bulk_files`).
 
-A worker, and the process running a job, keep heartbeats in Redis, and every worker
-requeues the runs of dead ones (:mod:`batchd.producers.bulk_liveness`).
+A worker, and the process running a job, keep heartbeats in rq's Redis, and every
+worker requeues the runs of dead ones (:mod:`batchd.producers.bulk_liveness`). The
+batchd jobs of a run go to the deployment's Redis, which on Redis Cluster is not rq's
+(``bulk.rq_redis_url``): the worker names it to each run it performs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rq.serializers import JSONSerializer
 
 from batchd.config.sections import RQ_QUEUE
 from batchd.producers.bulk_liveness import Beat, Liveness, Reaper
+from batchd.producers.bulk_run import deployment
 
 log = logging.getLogger(__name__)
 # How far past a runner's heartbeat TTL rq's record of its run is kept (rq's own margin).
@@ -131,10 +134,12 @@ def refusal(job: Job) -> str | None:
 
 class _AllowListed:
     """Mixin over rq's workers: refuse a job (see :func:`refusal`) before rq imports its
-    function; give an allowed one the worker's files folder; beat for it while it runs."""
+    function; give an allowed one the worker's files folder and the deployment's Redis;
+    beat for it while it runs."""
 
     files_dir: Path
     liveness: Liveness = Liveness()
+    batchd: redis.Redis | None = None  # the deployment's Redis; None: rq's
 
     def perform_job(self, job: Job, queue: Queue, execution: Any) -> bool:
         worker: Any = self
@@ -161,7 +166,8 @@ class _AllowListed:
             if member is not None:
                 job.connection.zadd(registry, {member: time.time() + ahead_s}, xx=True, gt=True)
 
-        with Beat(job.connection, key, self.liveness, fields=fields, tick=keep_started):
+        beat = Beat(job.connection, key, self.liveness, fields=fields, tick=keep_started)
+        with beat, deployment(self.batchd):
             result: bool = super().perform_job(job, queue, execution)  # type: ignore[misc]
         return result
 
@@ -187,6 +193,7 @@ def bulk_worker(
     burst: bool,
     fork: bool = True,
     liveness: Liveness | None = None,
+    batchd: redis.Redis | None = None,
 ) -> bool:
     """Run an allow-listed rq worker (JSON serializer) on the bulk queue; True if it ran a job.
 
@@ -196,6 +203,8 @@ def bulk_worker(
     holding the output's lock). ``fork=False`` runs jobs in the worker process itself.
     While it works it keeps its heartbeat and requeues the runs of dead workers
     (``liveness``; default: prefix ``batchd``, the [bulk] section's defaults).
+    ``connection`` is rq's Redis; ``batchd`` the deployment's, where the runs' batchd
+    jobs go (None: the same Redis).
     """
     kind = BulkWorker if fork else BulkSimpleWorker
     worker = kind(
@@ -207,6 +216,7 @@ def bulk_worker(
     )
     worker.files_dir = Path(files_dir).resolve()
     worker.liveness = liveness = liveness or Liveness()
+    worker.batchd = batchd
     reaper = Reaper(connection, rq_queue_name, liveness, SafeJob)
     fields = {"name": worker.name, "queues": [rq_queue_name]}
     key = liveness.worker_key(worker.name)

@@ -16,6 +16,7 @@ from redis.retry import Retry
 
 from batchd.config.settings import Settings
 from batchd.producers.connection import is_cluster, redis_client
+from batchd.producers.connection.factory import reread_cluster
 from batchd.producers.connection.layout import claim_layout
 from batchd.producers.keys import Keys
 
@@ -157,7 +158,7 @@ class Backoff:
         in its view for good."""
         if not is_cluster(client):
             return cls(cap_s=cap_s)
-        return cls(cap_s=cap_s, on_failure=partial(_read_layout_again, client))
+        return cls(cap_s=cap_s, on_failure=partial(reread_cluster, client))
 
     @property
     def down(self) -> bool:
@@ -208,14 +209,3 @@ class Backoff:
         self.down_since = None
         self.failures = 0
         self.next_try = 0.0
-
-
-def _read_layout_again(client: Any, exc: BaseException) -> None:
-    """After a node could not be reached: the cluster's slots and primaries, from any
-    node that answers (a default node among them); nothing if none does yet."""
-    if not isinstance(exc, REDIS_DOWN):
-        return
-    try:
-        client.nodes_manager.initialize()
-    except (redis.RedisError, redis.exceptions.RedisClusterException) as error:
-        log.debug("cluster layout not read again yet: %s", error)

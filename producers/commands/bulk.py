@@ -66,19 +66,25 @@ def _files_dir_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-# Why the bulk commands refuse a Redis Cluster: rq's worker needs one server's pool.
+# Why the bulk commands refuse a Redis Cluster without a Redis of rq's own.
 NO_CLUSTER = (
-    "the bulk queue runs on rq, whose workers do not support Redis Cluster: point "
-    "`batchd bulk` and `batchd bulk-worker` at a standalone or Sentinel Redis"
+    "the bulk queue runs on rq, whose workers do not support Redis Cluster: give rq a "
+    "standalone or Sentinel Redis of its own with bulk.rq_redis_url "
+    "(BATCHD_BULK__RQ_REDIS_URL); the runs' batchd jobs still go to the cluster"
 )
 
 
-def _connection(settings: Settings) -> redis.Redis | None:
-    """The bulk queue's Redis; None (said on stderr) for a Redis Cluster."""
-    url = settings.connection_url()
+def rq_url(settings: Settings) -> str | None:
+    """The URL of rq's Redis: ``bulk.rq_redis_url``, else the deployment's; None (said
+    on stderr) for a Redis Cluster, on which rq's workers do not run."""
+    url = settings.bulk.rq_redis_url or settings.connection_url()
     if is_cluster_url(url):
         print(f"batchd: {NO_CLUSTER}", file=sys.stderr)
         return None
+    return url
+
+
+def _connect(url: str) -> redis.Redis:
     return redis_client(url, socket_connect_timeout=5)
 
 
@@ -90,9 +96,10 @@ def bulk(args: argparse.Namespace, settings: Settings) -> int:
     batchd with at most --window jobs in flight; one result line per input is appended to the
     output. Re-running with the same IN and OUT resumes. A `batchd bulk-worker` runs it.
     """
-    connection = _connection(settings)
-    if connection is None:
+    url = rq_url(settings)
+    if url is None:
         return 2
+    connection = _connect(url)
     try:
         job = enqueue_bulk(
             connection,
@@ -157,13 +164,16 @@ def worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run the rq worker for bulk runs and Batch API batches.
 
     Take bulk runs and batches from --rq-queue and run them (one at a time per worker).
-    The worker keeps a heartbeat in Redis (bulk.heartbeat_ttl_s), so the gateway can say
-    when none is alive, and requeues the run of a worker that died (every
-    bulk.reap_interval_s), which another worker, or this one restarted, resumes.
+    The worker keeps a heartbeat in rq's Redis (bulk.rq_redis_url, else the
+    deployment's; bulk.heartbeat_ttl_s), so the gateway can say when none is alive, and
+    requeues the run of a worker that died (every bulk.reap_interval_s), which another
+    worker, or this one restarted, resumes. The runs' batchd jobs go to the deployment.
     """
-    connection = _connection(settings)
-    if connection is None:
+    url = rq_url(settings)
+    if url is None:
         return 2
+    deployment = settings.connection_url()
+    connection = _connect(url)
     try:
         bulk_worker(
             connection,
@@ -172,6 +182,7 @@ def worker(args: argparse.Namespace, settings: Settings) -> int:
             burst=args.burst,
             fork=settings.bulk.fork and not args.no_fork,
             liveness=Liveness.from_settings(settings.bulk, prefix=settings.key_prefix),
+            batchd=None if deployment == url else _connect(deployment),
         )
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)

@@ -129,6 +129,7 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
         files_dir=args.files_dir or settings.bulk.folder(),
         limits=settings.limits,
         rq_queue=settings.bulk.rq_queue,
+        rq_redis_url=settings.bulk.rq_redis_url,
     )
     raise_open_files(section)
     app = create_app(settings.connection_url(), options)

@@ -77,7 +77,12 @@ def is_cluster(client: object) -> bool:
 
 
 # What says a cluster node could not be reached (its slots may have a new primary).
-_NODE_DOWN = (redis.ConnectionError, redis.TimeoutError)
+_NODE_DOWN = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
+)
 
 
 def reread_cluster(client: object, exc: BaseException) -> None:

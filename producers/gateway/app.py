@@ -69,15 +69,21 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
     meter = Meter()
     meter.watch(lambda: hub.followed, commands)
     fleet = Fleet(commands, client.layout, options.queue)
-    workers = BulkWorkers(commands, options.prefix, options.rq_queue)
+    # rq's queue and its workers' heartbeats live on rq's Redis: on Redis Cluster one of
+    # its own (bulk.rq_redis_url), since rq's workers do not run on a cluster.
+    rq_url = options.rq_redis_url or redis_url
+    own_rq = rq_url != redis_url
+    rq_commands = connections.commands(rq_url, options) if own_rq else commands
+    workers = BulkWorkers(rq_commands, options.prefix, options.rq_queue)
     online = Online(client, fleet, guard, hub, meter, options)
     responses = Responses(online)
     health = Health(commands, fleet, workers, queue=options.queue)
     folder = FilesDir.at(options.files_dir, create=False)  # made at the first upload
     # rq needs a blocking connection; used from a thread pool, never the event loop.
     sync = connections.blocking(redis_url, options)
+    rq = connections.blocking(rq_url, options) if own_rq else sync
     files = Files(commands, keys, guard, folder, max_file_bytes=options.max_file_bytes)
-    batches = Batches(commands, sync, keys, guard, files, options, fleet=fleet, workers=workers)
+    batches = Batches(commands, rq, keys, guard, files, options, fleet=fleet, workers=workers)
     sweeper = Sweeper(sync, keys, folder)
     beat = gateway_beat(sync, keys, queue=options.queue)  # the dashboard lists it
     started = time.time()
@@ -134,6 +140,9 @@ def create_app(redis_url: str, options: GatewayOptions) -> Starlette:
         await client.aclose()
         await hub.conn.aclose()
         sync.close()
+        if own_rq:
+            await rq_commands.aclose()
+            rq.close()
 
     return Starlette(
         routes=routes,

@@ -21,11 +21,10 @@ from typing import Any
 
 import orjson
 import redis
-from rq import get_current_job
 
 from batchd.config.limits import LimitSettings
 from batchd.producers.bulk_files import FilesDir
-from batchd.producers.bulk_run import execute, input_lines
+from batchd.producers.bulk_run import deployment_connection, execute, input_lines
 from batchd.producers.errors import UnsafePath
 from batchd.producers.gateway.batch_lines import BatchLines, ServedModels, custom_id_of, output_line
 from batchd.producers.gateway.fleet import served_models
@@ -63,9 +62,9 @@ def run_batch(
     """Run the batch's input file through batchd; returns its request counts.
     ``files_dir`` is the worker's own (a job cannot name one); a chat line without
     max_tokens gets ``default_max_tokens`` (the gateway's)."""
-    rq_job = get_current_job()
-    assert rq_job is not None, "run_batch runs in an rq worker"
-    conn: redis.Redis = rq_job.connection
+    # The batch's records, files and jobs are the deployment's, which on a Cluster is
+    # not rq's Redis.
+    conn = deployment_connection("run_batch")
     keys = Keys(prefix)
     check_name("batch_id", batch_id)
     key = batch_key(keys, batch_id)

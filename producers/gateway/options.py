@@ -35,6 +35,7 @@ class GatewayOptions:
     batch_window: int = _D.batch_window
     limits: LimitSettings | None = field(default_factory=LimitSettings)
     rq_queue: str = RQ_QUEUE
+    rq_redis_url: str | None = None  # rq's own Redis (bulk.rq_redis_url); None: the gateway's
     default_max_tokens: int = _D.default_max_tokens
     body_timeout_s: float = _D.body_timeout_s
     sse_keepalive_s: float = _D.sse_keepalive_s

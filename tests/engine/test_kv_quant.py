@@ -24,6 +24,7 @@ from batchd.engine.forward.paged_attention import decode_attention, make_decode_
 from batchd.engine.models.arch_fixture import VOCAB as ARCH_VOCAB
 from batchd.engine.models.arch_fixture import make_arch_model
 from batchd.engine.models.loader import LoadedModel, ModelSpec, load
+from support.blas_rounding import quantized_gap
 
 VOCAB = 1024
 # The tiny fixture's head_dim is 32: the largest group that divides it.
@@ -209,7 +210,10 @@ def test_greedy_equals_mlx_lm_quantized_cache_in_mixed_batches(
     # Float rounding differs between a packed batch and a lone request, as in float parity;
     # where it moves a K/V value across a rounding boundary of the grid, that value moves a
     # whole level, so a few logprobs differ more than float rounding alone would explain.
-    assert float(np.quantile(gaps, 0.95)) < 5e-5 and max(gaps) < 2e-3, sorted(gaps)[-5:]
+    # How many cross depends on the BLAS kernels (support.blas_rounding).
+    bound = quantized_gap()
+    assert float(np.quantile(gaps, 0.95)) < bound.p95, sorted(gaps)[-5:]
+    assert max(gaps) < bound.largest, sorted(gaps)[-5:]
     # The oracle is not float in disguise: quantizing moved its logprobs well beyond that.
     assert drift_from_float > 2e-3, drift_from_float
 
