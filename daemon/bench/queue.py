@@ -255,7 +255,7 @@ def _run_through_daemon(
     *,
     prefix: str,
     fleet: _Fleet,
-) -> tuple[RunStats, dict[str, float | None]]:
+) -> tuple[RunStats, dict[str, Any]]:
     """The workload through fresh daemons; its stats, the submit rate, the client's and
     Redis's CPU seconds (and each server's, with its commands), and the daemons' seconds
     publishing and stepping."""
@@ -343,7 +343,8 @@ def _redis_cpu_s(conn: redis.Redis) -> float | None:
 
 def _redis_servers(conn: redis.Redis) -> dict[str, dict[str, float]] | None:
     """Each server's CPU seconds and commands processed since it started, by node (a
-    cluster's primaries; a single server is ``server``); None as for _redis_cpu_s."""
+    cluster's primaries; a single server is ``server``): whether a cluster splits the work
+    or repeats it on every primary shows only node by node. None as for _redis_cpu_s."""
     try:
         nodes: Any = (
             conn.info(target_nodes="primaries") if is_cluster(conn) else {"server": conn.info()}

@@ -93,6 +93,9 @@ class BenchOptions:
     # The queue workload's daemons, and the partitions of its queue ([queue] partitions).
     queue_daemons: int = 1
     queue_partitions: int = 1
+    # The queue workload's requests (None: the scale's short_requests): enough of them to
+    # keep many sequences per daemon running, for the Redis side's cost per token.
+    queue_requests: int | None = None
     command: str = ""
     # The speculative workload: the method compared with off, and its draft model.
     speculative_method: str = "ngram"
@@ -197,7 +200,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     if "queue" in options.workloads:
         results["queue"] = queue.run_queue(
             systems,
-            short_mixed,
+            _queue_requests(options, vocab) or short_mixed,
             redis_url=options.redis_url,
             progress=progress,
             rounds=options.queue_rounds,
@@ -339,3 +342,13 @@ def headline(report: dict[str, Any]) -> str:
     if "backends" in results:
         parts.append(backends_headline(results["backends"]))
     return "; ".join(parts)
+
+
+def _queue_requests(options: BenchOptions, vocab_size: int) -> Workload | None:
+    """The queue workload's ``queue_requests`` mixed requests, where set (the first ones
+    of a mixed workload that size, so a smaller count is a prefix of a larger one)."""
+    count = options.queue_requests
+    if count is None:
+        return None
+    scale = dataclasses.replace(options.scale, num_requests=max(count, options.scale.num_requests))
+    return mixed(scale=scale, vocab_size=vocab_size, seed=options.seed).subset(count)

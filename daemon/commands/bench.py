@@ -113,6 +113,14 @@ def register(sub: Any) -> None:
         "at most 11)",
     )
     p.add_argument(
+        "--queue-requests",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="queue: requests of the queue workload (default: the scale's 32, or 16 with "
+        "--quick); more keep more sequences of each daemon running",
+    )
+    p.add_argument(
         "--queue-daemons",
         type=_positive,
         default=1,
@@ -259,6 +267,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         sweep_rounds=args.sweep_rounds or DEFAULT_ROUNDS,
         queue_rounds=args.queue_rounds,
         queue_daemons=args.queue_daemons,
+        queue_requests=args.queue_requests,
         queue_partitions=settings.queue.partitions,
         speculative_method=args.speculative_method,
         speculative_draft_model=args.draft_model,
@@ -271,6 +280,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             + _sweep_options(args)
             + (f" --queue-rounds {args.queue_rounds}" if args.queue_rounds else "")
             + (f" --queue-daemons {args.queue_daemons}" if args.queue_daemons > 1 else "")
+            + (f" --queue-requests {args.queue_requests}" if args.queue_requests else "")
             + _speculative_options(args)
         ),
     )

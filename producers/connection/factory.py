@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis._parsers.commands import AsyncCommandsParser, CommandsParser
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
@@ -102,10 +103,56 @@ async def async_reread_cluster(client: object, exc: BaseException) -> None:
             await client.nodes_manager.initialize()
 
 
+def known_keys(args: tuple[Any, ...]) -> list[Any] | None:
+    """The keys of a script call (EVAL, EVALSHA) or a stream read (XREAD, XREADGROUP:
+    the first half of what follows STREAMS), or None for any other command. redis-py's
+    cluster client asks a server (COMMAND GETKEYS, one round trip to one node) for the
+    keys of every command whose keys move, and a cluster pipeline asks for every command
+    it has no policy for, scripts included; those are most of batchd's commands."""
+    name = _word(args[0]) if args else ""
+    if name in ("EVAL", "EVALSHA") and len(args) > 2:
+        return list(args[3 : 3 + int(args[2])])
+    if name not in ("XREAD", "XREADGROUP"):
+        return None
+    i = 4 if name == "XREADGROUP" else 1  # past GROUP <group> <consumer>
+    while i < len(args):
+        word = _word(args[i])
+        if word == "STREAMS":
+            rest = args[i + 1 :]
+            return list(rest[: len(rest) // 2]) if rest and len(rest) % 2 == 0 else None
+        i += 1 if word == "NOACK" else 2  # COUNT n, BLOCK ms
+    return None
+
+
+def _word(arg: Any) -> str:
+    return (arg.decode() if isinstance(arg, bytes) else str(arg)).upper()
+
+
+class _StreamKeysParser(CommandsParser):
+    """redis-py's parser of a command's keys, reading scripts' and stream reads' keys
+    itself (:func:`known_keys`)."""
+
+    def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+        return known_keys(args) or super().get_keys(redis_conn, *args)
+
+
+class _AsyncStreamKeysParser(AsyncCommandsParser):
+    """Asyncio twin of :class:`_StreamKeysParser`."""
+
+    async def get_keys(self, *args: Any) -> Any:
+        return known_keys(args) or await super().get_keys(*args)
+
+
 class _RereadingCluster(RedisCluster):
     """redis-py's cluster client, reading the slots again after a command found a node
     unreachable (:func:`reread_cluster`), so the next command reaches the replica
-    promoted in a killed primary's place. A pipeline's caller does it itself."""
+    promoted in a killed primary's place (a pipeline's caller does it itself), and
+    finding scripts' and stream reads' keys without asking a server (:func:`known_keys`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The parser redis-py built, its one method replaced: it holds no other state.
+        self.commands_parser.__class__ = _StreamKeysParser
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -117,6 +164,10 @@ class _RereadingCluster(RedisCluster):
 
 class _AsyncRereadingCluster(AsyncRedisCluster):
     """Asyncio twin of :class:`_RereadingCluster`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser.__class__ = _AsyncStreamKeysParser
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:

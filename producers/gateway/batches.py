@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
 import redis
 import redis.asyncio as aioredis
 from rq import Retry
@@ -277,8 +278,30 @@ class Batches:
         stop = stop_key(self.keys, batch_id)
         await self.redis.set(stop, b"1", exat=batch["created_at"] + WINDOW_S + BATCH_RECORD_TTL_S)
         update = {"status": "cancelling", "cancelling_at": batch.get("cancelling_at") or now}
-        await self.redis.hset(batch_key(self.keys, batch_id), mapping=encode(update))  # type: ignore[arg-type]
+        fields = [item for pair in encode(update).items() for item in pair]
+        # Only while the run has not ended: a run that finished since the read above keeps
+        # its end (the stop key set first makes a run still finishing end cancelled).
+        ended: Any = await self.redis.eval(
+            _CANCEL, 1, batch_key(self.keys, batch_id), *_TERMINAL_VALUES, *fields
+        )
+        if ended is not None:
+            return JSONResponse({**batch, "status": orjson.loads(ended)})
         return JSONResponse({**batch, **update})
+
+
+# Terminal statuses as the record stores them (JSON), then the update's field/value pairs.
+_TERMINAL_VALUES = sorted(orjson.dumps(status) for status in TERMINAL)
+# KEYS[1] the batch's record; ARGV: the len(TERMINAL) terminal statuses, then the
+# cancelling update's field/value pairs. The record's status when it is terminal (nothing
+# written), else nil after writing the update.
+_CANCEL = f"""
+local status = redis.call('HGET', KEYS[1], 'status')
+for i = 1, {len(TERMINAL)} do
+  if status == ARGV[i] then return status end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, {len(TERMINAL) + 1}))
+return nil
+"""
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

@@ -67,7 +67,8 @@ def test_too_few_replicas_raise_and_leave_the_job_on_the_master(
     pair: tuple[RedisServer, RedisServer],
 ) -> None:
     master, _ = pair
-    with Client(master.url, replicas=2, replicas_timeout_ms=1000) as client:
+    # Long enough for a loaded host's replica to confirm: the one replica is counted.
+    with Client(master.url, replicas=2, replicas_timeout_ms=5000) as client:
         with pytest.raises(NotReplicated) as caught:
             client.submit("Hello", id="wait-2", max_tokens=4)
         assert (caught.value.acked, caught.value.wanted, caught.value.job_ids) == (1, 2, ["wait-2"])

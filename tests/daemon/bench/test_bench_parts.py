@@ -33,6 +33,7 @@ from batchd.daemon.bench.queue import (
     _times_between,
 )
 from batchd.daemon.bench.report import _queue_line
+from batchd.daemon.bench.runner import BenchOptions, _queue_requests
 from batchd.daemon.bench.stats import Recorder, step_profile
 from batchd.daemon.bench.subscriber import SUBSCRIBER_NICE, run_as_subscriber
 from batchd.daemon.bench.systems import SystemSettings
@@ -370,3 +371,25 @@ def test_the_queue_daemon_gets_the_in_process_engine_settings(
             monkeypatch.setenv(name, value)
     assert Settings().daemon.metrics_port == 9123  # where the bench reads its publish times
     assert Settings().engine == engine
+
+
+def test_queue_requests_size_the_queue_workload_as_a_prefix_of_a_larger_one() -> None:
+    from batchd.daemon.bench.workloads import SCALES
+    from batchd.engine.config import EngineConfig
+
+    def ids(count: int | None) -> list[str] | None:
+        options = BenchOptions(
+            model_path=Path("m"),
+            model_label="m",
+            workloads=("queue",),
+            scale=SCALES["quick"],
+            engine=EngineConfig(),
+            redis_url="redis://unused",
+            queue_requests=count,
+        )
+        work = _queue_requests(options, vocab_size=1000)
+        return None if work is None else [r.request_id for r in work.requests]
+
+    assert ids(None) is None  # the scale's own short_requests
+    assert len(ids(300) or []) == 300
+    assert (ids(300) or [])[:40] == ids(40)

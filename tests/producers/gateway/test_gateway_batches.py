@@ -18,6 +18,7 @@ from rq.registry import StartedJobRegistry
 from batchd.producers.bulk import run_bulk, stage_run
 from batchd.producers.bulk_files import FilesDir
 from batchd.producers.bulk_worker import bulk_worker, rq_queue
+from batchd.producers.gateway import batches
 from batchd.producers.gateway.options import GatewayOptions
 from support.daemon_harness import wait_until
 
@@ -178,3 +179,19 @@ def test_files_and_batches_belong_to_their_key(
             b.files.content(batch.input_file_id)
         assert b.batches.list().data == [] and [x.id for x in a.batches.list().data] == [batch.id]
         assert a.batches.cancel(batch.id).status == "cancelling"
+
+
+def test_a_cancel_never_overwrites_an_end_the_run_wrote_after_its_read(gateway: Any) -> None:
+    """The cancel reads the record, then writes ``cancelling`` only while the status is
+    still not terminal: a run that finished between the two keeps ``completed`` (else the
+    batch would wait for a worker that will never come back)."""
+    conn = redis.Redis.from_url(gateway.redis_url)
+    key = "batchd:gateway:batch:race-test"
+    update = [b"status", orjson.dumps("cancelling"), b"cancelling_at", b"1"]
+    for status, kept in (("completed", True), ("in_progress", False)):
+        conn.hset(key, mapping={"status": orjson.dumps(status)})
+        ended = conn.eval(batches._CANCEL, 1, key, *batches._TERMINAL_VALUES, *update)
+        assert (ended == orjson.dumps(status)) is kept
+        stored = orjson.loads(conn.hget(key, "status"))
+        assert stored == (status if kept else "cancelling")
+    conn.delete(key)
