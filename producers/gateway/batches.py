@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from batchd.producers.bulk import ABANDONED_RETRIES
 from batchd.producers.bulk_worker import SafeJob, rq_queue
+from batchd.producers.connection import is_cluster
 from batchd.producers.gateway.batch_lines import ENDPOINTS
 from batchd.producers.gateway.errors import APIError, invalid, not_found
 from batchd.producers.gateway.files import Files, expiry_seconds
@@ -106,6 +107,15 @@ class Batches:
 
     async def create(self, request: Request) -> Response:
         owner = self.guard.owner(request)
+        if is_cluster(self.sync):
+            # rq's registries are keys of many slots: no worker could ever run the batch.
+            raise APIError(
+                503,
+                "the Batch API runs on rq, which needs a Redis of its own beside a Redis "
+                "Cluster: set bulk.rq_redis_url (BATCHD_BULK__RQ_REDIS_URL) for this "
+                "gateway and its bulk workers",
+                code="batch_api_unavailable",
+            )
         body = parse_body(await self.guard.body(request))
         unknown = sorted(set(body) - CREATE_FIELDS)
         if unknown:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 
 from batchd.daemon.cluster_server import ClusterDeployment
@@ -75,3 +76,35 @@ def test_a_completion_whole_and_streamed_through_the_cluster(
     with Client(served) as client:  # the same job straight from the client
         direct = client.submit(messages=HELLO, max_tokens=8, temperature=0.0)
         assert direct.result(timeout=60).text == whole.choices[0].message.content
+
+
+def test_the_batch_api_without_an_rq_redis_is_refused_on_a_cluster(
+    served: str,
+    start_gateway: Callable[[str, GatewayOptions], AbstractContextManager[Any]],
+    tmp_path: Path,
+) -> None:
+    """rq cannot run on a cluster: a batch created there would wait for a worker forever,
+    so without bulk.rq_redis_url the create is refused, saying what to set."""
+    options = GatewayOptions(api_keys=[API_KEY], files_dir=tmp_path)
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": HELLO, "max_tokens": 4},
+    }
+    (tmp_path / "in.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    with start_gateway(served, options) as gateway:
+        oai = openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
+        try:
+            with (tmp_path / "in.jsonl").open("rb") as source:
+                upload = oai.files.create(file=source, purpose="batch")
+            with pytest.raises(openai.InternalServerError) as refused:
+                oai.batches.create(
+                    input_file_id=upload.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+        finally:
+            oai.close()
+    assert refused.value.status_code == 503
+    assert "bulk.rq_redis_url" in str(refused.value)
