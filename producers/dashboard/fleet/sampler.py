@@ -10,6 +10,7 @@ read from rq less often (every ``WORKERS_EVERY_S``), on a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -104,7 +105,10 @@ class Sampler:
         self._workers: list[BulkWorker] = []
         self._workers_note = ""
         self._workers_at = float("-inf")
-        self._changed = asyncio.Condition()
+        # Set, then replaced, at each new version: waiting takes no lock. (A Condition's
+        # wait under wait_for once raised "cannot wait on un-acquired lock" in a stream,
+        # cutting it: its lock had been released under it.)
+        self._changed = asyncio.Event()
 
     async def tick(self) -> Overview:
         """Probe once, record the sample, and wake the streams."""
@@ -140,10 +144,14 @@ class Sampler:
             itl_p95=latency.itl_p95_s,
         )
         self.latest = overview
-        async with self._changed:
-            self.version += 1
-            self._changed.notify_all()
+        self.publish()
         return overview
+
+    def publish(self) -> None:
+        """A new version: every stream waiting in :meth:`wait_newer` wakes."""
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def run(self) -> None:
         """Tick forever; a Redis outage is logged once per kind and retried."""
@@ -161,13 +169,10 @@ class Sampler:
 
     async def wait_newer(self, seen: int, timeout: float) -> int:
         """The current version once it is above ``seen`` (or at the timeout)."""
-        async with self._changed:
-            if self.version <= seen:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
-            return self.version
+        if self.version <= seen:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+        return self.version
 
     def _rates(self, fleet: Fleet) -> tuple[list[QueueFigures], float | None]:
         """Queue rates and jobs/s over the ticks of the last RATE_WINDOW_S (steadier than

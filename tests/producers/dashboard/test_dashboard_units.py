@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from starlette.requests import Request
@@ -181,3 +183,33 @@ def test_the_sections_render_before_the_first_probe() -> None:
     html = sections.render(None, 0, operator=True, root="/dash")
     assert "Waiting for the first look" in html["summary"] and "No live daemon" in html["daemons"]
     assert sections.render(None, 0, operator=True, root="/dash") is html  # cached per tick
+
+
+def test_many_streams_wait_for_new_versions_with_timeouts_without_an_error() -> None:
+    """Streams time out and wake while ticks publish: none may raise or miss a version
+    it waited for. (The Condition this replaced raised "cannot wait on un-acquired lock"
+    once in a CI run, cutting a page's event stream; not reproduced here on demand.)"""
+    sampler = Sampler(None, None, None, None, history_points=10, refresh_s=1)  # type: ignore[arg-type]
+
+    async def stream(timeout: float) -> int:
+        seen = woke = 0
+        deadline = asyncio.get_running_loop().time() + 0.5
+        while asyncio.get_running_loop().time() < deadline:
+            version = await sampler.wait_newer(seen, timeout)
+            woke += version > seen
+            seen = version
+        return woke
+
+    async def ticks() -> None:
+        for _ in range(100):
+            sampler.publish()
+            await asyncio.sleep(0.004)
+
+    async def main() -> list[int]:
+        waiting = [stream(0.001 * (1 + i % 7)) for i in range(40)]
+        *woken, _ = await asyncio.gather(*waiting, ticks())
+        return woken
+
+    woken = asyncio.run(main())
+    assert sampler.version == 100
+    assert all(count > 10 for count in woken), woken
