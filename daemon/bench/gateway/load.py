@@ -168,7 +168,10 @@ async def restart(stack: GatewayStack, options: GatewayOptions) -> dict[str, Any
 
     ``ready_after_up_s``: from Redis answering again to the first 200 of /health/ready;
     ``failed_after_redis_up``: requests sent after that moment that did not get a 200;
-    ``overlapping_*``: requests that were in flight while Redis was down.
+    ``overlapping_*``: requests that were in flight while Redis was down;
+    ``overlapping_done_after_up_s``: when the last of those ended, from Redis answering
+    again, and ``slowest_after_up_s`` the longest request sent after it (how long the
+    work Redis's outage held up took to drain).
     """
     timeline: list[tuple[float, Outcome]] = []
     ready: list[tuple[float, int]] = []
@@ -210,6 +213,10 @@ async def restart(stack: GatewayStack, options: GatewayOptions) -> dict[str, Any
         "last_failure_after_up_s": round(max(failed_after) - up_at, 2) if failed_after else None,
         "overlapping_outage": len(overlap),
         "overlapping_failed": sum(1 for o in overlap if o.status != 200),
+        "overlapping_done_after_up_s": round(
+            max((s + o.latency_s for s, o in timeline if s < up_at), default=up_at) - up_at, 2
+        ),
+        "slowest_after_up_s": round(max((o.latency_s for _, o in after), default=0.0), 2),
         "ready_after_up_s": None if first_ready is None else round(first_ready - up_at, 2),
         "statuses_after_up": _statuses(o for _, o in after),
     }

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from batchd.daemon.bench.gateway.load import GatewayOptions, burst, restart, sse
+from batchd.daemon.bench.gateway.load import (
+    RESTART_IN_FLIGHT,
+    GatewayOptions,
+    burst,
+    restart,
+    sse,
+)
 from batchd.daemon.bench.gateway.stack import GatewayStack
 
 
@@ -52,8 +58,12 @@ def test_1000_concurrent_streams_each_receive_every_token(stack: GatewayStack) -
 
 def test_a_redis_restart_under_load_recovers_within_2_s(stack: GatewayStack) -> None:
     """Redis stops for a second under a steady load and comes back (from its AOF): the
-    gateway is ready again within 2 s, and no request sent after Redis is back fails."""
+    gateway is ready again within 2 s, and no request sent after Redis is back fails.
+    Each sender gets a request in after Redis is back, which fails if the work the outage
+    held up takes the whole 4 s after it to drain (how many more depends on the host's
+    load, so that is the benchmark's figure, not a bound here)."""
     report = asyncio.run(restart(stack, settings(outage_s=1.0)))
-    assert report["requests_after_redis_up"] > 50, report
+    assert report["requests_after_redis_up"] >= RESTART_IN_FLIGHT, (report, stack.logs())
     assert report["failed_after_redis_up"] == 0, (report, stack.logs())
-    assert report["ready_after_up_s"] is not None and report["ready_after_up_s"] < 2.0, report
+    ready = report["ready_after_up_s"]
+    assert ready is not None and ready < 2.0, (report, stack.logs())
