@@ -2,9 +2,10 @@
 
 A plain URL goes to redis-py's ``from_url``. A ``redis+sentinel://`` URL (see
 :mod:`batchd.config.sentinel`) gives a client on a Sentinel-managed pool:
-each new connection asks the Sentinels for the master's address, and a connection
-error or a demoted master's READONLY reply drops the connection, so the next attempt
-(redis-py's retry, or batchd's own loops) reaches whichever server is master by then.
+a connection asks the Sentinels for the master's address each time it connects (the
+reconnect of a command's retry too), and a connection error or a demoted master's
+READONLY reply drops the connection, so the next attempt (redis-py's retry, or
+batchd's own loops) reaches whichever server is master by then.
 Callers pass the same keywords in both cases (socket timeouts, retry, health checks);
 they apply to the master's connections. The Sentinels' connections get short timeouts
 of their own, so one unreachable Sentinel delays a lookup by seconds at most.
@@ -30,9 +31,16 @@ from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
+from redis.asyncio.sentinel import SentinelManagedSSLConnection as AsyncSentinelSSLConnection
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 from batchd.config.cluster import is_cluster_url, parse_cluster_url
 from batchd.config.sentinel import SentinelTarget, is_sentinel_url, parse_sentinel_url
@@ -47,9 +55,60 @@ _ASYNC_CLUSTER_KEYWORDS = frozenset(inspect.signature(AsyncRedisCluster.__init__
 _SOCKET_OPTIONS = ("socket_connect_timeout", "socket_keepalive", "socket_keepalive_options")
 
 
+class _MasterConnection(SentinelManagedConnection):
+    """A connection to the master that asks the Sentinels for the master's address at
+    every connect. redis-py 8.1 asks only when its pool hands the connection out: the
+    retry of a command whose connection dropped reconnects (``send_packed_command``) to
+    the address the connection last had, a killed master's, for the whole retry budget
+    (redis/redis-py#3874)."""
+
+    def connect_to(self, address: tuple[str, int]) -> None:
+        # The pool's connect, to the address it has just asked for.
+        self.host, self.port = address
+        check = self.connection_pool.check_connection
+        super().connect_check_health(check_health=check, retry_socket_connect=False)
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if self._sock is None:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health, retry_socket_connect)
+
+
+class _MasterSSLConnection(_MasterConnection, SentinelManagedSSLConnection):
+    """:class:`_MasterConnection` over TLS."""
+
+
+class _AsyncMasterConnection(AsyncSentinelConnection):
+    """Asyncio twin of :class:`_MasterConnection`."""
+
+    async def connect_to(self, address: tuple[str, int]) -> None:
+        self.host, self.port = address
+        check = self.connection_pool.check_connection
+        await super().connect_check_health(check_health=check, retry_socket_connect=False)
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class _AsyncMasterSSLConnection(_AsyncMasterConnection, AsyncSentinelSSLConnection):
+    """:class:`_AsyncMasterConnection` over TLS."""
+
+
 class _OwnedSentinelPool(SentinelConnectionPool):
-    """A Sentinel-managed pool that owns its Sentinel clients: closing the client that
-    holds it (a full disconnect) also closes the connections to the Sentinels."""
+    """A Sentinel-managed pool (its connections: :class:`_MasterConnection`) that owns its
+    Sentinel clients: closing the client that holds it (a full disconnect) also closes
+    the connections to the Sentinels."""
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        tls = kwargs.get("ssl", False)  # redis-py's own pool takes it out of the keywords
+        kwargs.setdefault("connection_class", _MasterSSLConnection if tls else _MasterConnection)
+        super().__init__(service_name, sentinel_manager, **kwargs)
 
     def disconnect(self, inuse_connections: bool = True) -> None:
         super().disconnect(inuse_connections)
@@ -60,6 +119,12 @@ class _OwnedSentinelPool(SentinelConnectionPool):
 
 class _AsyncOwnedSentinelPool(AsyncSentinelPool):
     """Asyncio twin of :class:`_OwnedSentinelPool`."""
+
+    def __init__(self, service_name: str, sentinel_manager: AsyncSentinel, **kwargs: Any) -> None:
+        tls = kwargs.get("ssl", False)
+        master = _AsyncMasterSSLConnection if tls else _AsyncMasterConnection
+        kwargs.setdefault("connection_class", master)
+        super().__init__(service_name, sentinel_manager, **kwargs)
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         await super().disconnect(inuse_connections)

@@ -243,7 +243,7 @@ class Hub:
         now = time.monotonic()
         if lane.outage_since is None:
             lane.outage_since = now
-            log.warning("events reads failing: %s", type(exc).__name__)
+            log.warning("events reads failing: %s: %s", type(exc).__name__, exc)
         elif now - lane.outage_since > self.outage_timeout_s:
             self._fail_all(lane, exc)
         return float(min(self.retry_max_s, 0.02 * 2 ** (attempt - 1)))
