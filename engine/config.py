@@ -166,6 +166,16 @@ class EngineConfig:
     native_cpu). Seeded draws may differ between the two at a near-tie (docs/engine.md,
     "Forward backends")."""
 
+    async_scheduling: bool = False
+    """Launch each decode step before the host reads the previous step's sampled ids
+    (mlx-lm's pipelining): while step N computes, step N+1 is scheduled as if no row
+    stops and fed step N's ids on the device; a row that stopped at N wastes its row of
+    N+1. Steps with prompts, grammars, penalties, speculative decoding or prompt
+    logprobs run synchronously. Needs the mlx backend and the device sampler (logged
+    and off otherwise). Seeded draws depend on (seed, position) only, so tokens are the
+    synchronous step's; a request arriving while a step is in flight joins a step later.
+    docs/engine.md, "Async scheduling"."""
+
     def __post_init__(self) -> None:
         backend = self.forward_backend
         _require(

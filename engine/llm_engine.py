@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchd.engine.adapters.resident import AdapterCache
+from batchd.engine.async_step import async_steps
 from batchd.engine.config import EngineConfig
 from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.detokenizer import TokenTexts, special_token_ids
@@ -38,7 +39,7 @@ from batchd.engine.forward.model_runner import ModelRunner
 from batchd.engine.logits_processors import PenaltyHistory, PenaltyTokens
 from batchd.engine.models.loader import LoadedModel, load
 from batchd.engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
-from batchd.engine.prompt import encode_prompt
+from batchd.engine.prompt import check_ids, encode_prompt
 from batchd.engine.request_state import RequestState, TokenVerdict
 from batchd.engine.sampler import SampleRow, Samples
 from batchd.engine.sampling.samplers import make_sampler
@@ -157,6 +158,7 @@ class LLMEngine:
         self._prompt_logprobs: dict[str, list[float]] = {}
         self._num_steps = 0
         self._rng = random.Random()
+        self._async = async_steps(self)  # None: every step synchronous
 
     @classmethod
     def from_pretrained(
@@ -227,7 +229,8 @@ class LLMEngine:
         if adapter is not None:
             self.adapters.acquire(adapter, request_id)
         resumed = [int(t) for t in resume_output_token_ids]
-        self._check_ids(request_id, ids + resumed + [t for t, _ in params.logit_bias])
+        biased = [t for t, _ in params.logit_bias]
+        check_ids(request_id, ids + resumed + biased, self.spec.vocab_size)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room in "
@@ -244,7 +247,7 @@ class LLMEngine:
             matcher=(
                 self.grammar_tokenizer.matcher(params.constraint) if params.constraint else None
             ),
-            history=_history(params, ids),
+            history=PenaltyHistory.of_request(params, ids),
             special_ids=self.special_token_ids,
         )
         if resumed:
@@ -289,9 +292,18 @@ class LLMEngine:
         """One scheduler step and one forward; the tokens it produced."""
         start = time.perf_counter()
         self._num_steps += 1
+        if self._async is not None:
+            return self._async.step(start)
+        return self._run(self._schedule(), start)
+
+    def _schedule(self) -> SchedulerOutput:
         scheduled = self.scheduler.schedule()
         for seq in scheduled.preempted:
             self.proposer.drop(seq.seq_id)  # its proposer state is rebuilt on resume
+        return scheduled
+
+    def _run(self, scheduled: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """A scheduled step, run synchronously: forward, sample, wait, emit."""
         if scheduled.is_empty:
             self.last_step_stats = self._stats(scheduled, start, 0.0, 0)
             return []
@@ -415,14 +427,6 @@ class LLMEngine:
             for seq in samples.values()
             if seq.adapter is not None
         }
-
-    def _check_ids(self, request_id: str, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary "
-                f"[0, {self.spec.vocab_size})"
-            )
 
     def _prompt_targets(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[int]]:
         """For each chunk of a request still owed its prompt's logprobs, the prompt tokens
@@ -577,11 +581,3 @@ class LLMEngine:
                 for c in scheduled.chunks
             ],
         )
-
-
-def _history(params: SamplingParams, prompt: Sequence[int]) -> PenaltyHistory | None:
-    """The token counts a request penalised over its whole output keeps (the prompt's
-    tokens too when its repetition penalty scales them); None when it needs none."""
-    if not params.penalises_recent or params.penalty_window is not None:
-        return None
-    return PenaltyHistory(prompt if params.repetition_penalty != 1.0 else None)

@@ -59,6 +59,14 @@ class PenaltyHistory:
         self._counts: dict[int, int] = {}
         self._tokens: PenaltyTokens | None = None
 
+    @classmethod
+    def of_request(cls, params: SamplingParams, prompt: Sequence[int]) -> PenaltyHistory | None:
+        """The counts a request penalised over its whole output keeps (the prompt's tokens
+        too when its repetition penalty scales them); None when it needs none."""
+        if not params.penalises_recent or params.penalty_window is not None:
+            return None
+        return cls(prompt if params.repetition_penalty != 1.0 else None)
+
     def add(self, token_id: int) -> None:
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         self._tokens = None

@@ -67,3 +67,12 @@ def _chat_ids(
     return tokenizer.apply_chat_template(
         described_in_system(messages, tools), add_generation_prompt=True, tokenize=True
     )
+
+
+def check_ids(request_id: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Raise InvalidRequest naming the ids outside the model's vocabulary, if any."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(
+            f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )

@@ -64,13 +64,17 @@ class BatchdSystem:
 
 # -- the backends workload: the MLX path before and after, the C path, same run -------------
 
-# (label, forward_backend, sampler): "before" is the MLX path as it was, sampling on the
-# host; the native_cpu rows check the C path (and which sampler it should keep).
+# (label, forward_backend, sampler, async_scheduling): "before" is the MLX path as it was,
+# sampling on the host; the async row launches each decode step before the previous one is
+# read (batchd.engine.async_step); the native_cpu rows check the C path (and which sampler
+# it should keep).
+ASYNC_LABEL = "mlx, device sampling, async scheduling"
 BACKEND_CONFIGS = (
-    ("mlx, host sampling (before)", "mlx", "host"),
-    ("mlx, device sampling (after)", "mlx", "device"),
-    ("native_cpu, host sampling", "native_cpu", "host"),
-    ("native_cpu, device sampling", "native_cpu", "device"),
+    ("mlx, host sampling (before)", "mlx", "host", False),
+    ("mlx, device sampling (after)", "mlx", "device", False),
+    (ASYNC_LABEL, "mlx", "device", True),
+    ("native_cpu, host sampling", "native_cpu", "host", False),
+    ("native_cpu, device sampling", "native_cpu", "device", False),
 )
 
 
@@ -126,8 +130,10 @@ def compare_backends(
     )
     engines: dict[str, LLMEngine] = {}
     skipped: dict[str, str] = {}
-    for label, backend, sampler in BACKEND_CONFIGS:
-        config = dataclasses.replace(base, forward_backend=backend, sampler=sampler)
+    for label, backend, sampler, pipelined in BACKEND_CONFIGS:
+        config = dataclasses.replace(
+            base, forward_backend=backend, sampler=sampler, async_scheduling=pipelined
+        )
         try:
             engines[label] = LLMEngine.from_pretrained(str(model_path), config)
         except ValueError as exc:  # native_cpu where the C kernels cannot run
@@ -168,6 +174,8 @@ def compare_backends(
     systems = result["systems"]
     after = BACKEND_CONFIGS[1][0]
     result["mlx_speedup"] = round(systems[after]["tok_s"] / systems[before]["tok_s"], 3)
+    result["async_speedup"] = round(systems[ASYNC_LABEL]["tok_s"] / systems[after]["tok_s"], 3)
+    result["async_same_tokens"] = outputs[ASYNC_LABEL] == outputs[after]
     return result
 
 
@@ -184,7 +192,10 @@ def overlap_profile(steps: list[StepStats]) -> dict[str, float]:
 
 
 def backends_headline(result: dict[str, Any]) -> str:
-    return f"MLX path {result['mlx_speedup']:.2f}x with device sampling (same run)"
+    return (
+        f"MLX path {result['mlx_speedup']:.2f}x with device sampling, "
+        f"{result['async_speedup']:.2f}x more with async scheduling (same run)"
+    )
 
 
 def backends_lines(result: dict[str, Any]) -> list[str]:
@@ -209,5 +220,10 @@ def backends_lines(result: dict[str, Any]) -> list[str]:
         )
     for label, why in result["skipped"].items():
         lines.append(f"| {label} | skipped: {why} | | | | |")
-    lines += ["", f"MLX path after / before: {result['mlx_speedup']:.2f}x."]
+    lines += [
+        "",
+        f"MLX path after / before: {result['mlx_speedup']:.2f}x; async scheduling on / off "
+        f"(device sampling): {result['async_speedup']:.2f}x, same tokens: "
+        f"{result['async_same_tokens']}.",
+    ]
     return lines

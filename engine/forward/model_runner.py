@@ -220,15 +220,23 @@ class ModelRunner:
         return self.execute_scored(chunks, {})[0]
 
     def execute_scored(
-        self, chunks: Sequence[ChunkInput], targets: Mapping[int, Sequence[int]]
+        self,
+        chunks: Sequence[ChunkInput],
+        targets: Mapping[int, Sequence[int]],
+        fed: mx.array | None = None,
     ) -> tuple[mx.array | None, dict[int, mx.array]]:
         """:meth:`execute`, and for each chunk index in ``targets`` the log-probabilities
         (float32 log-softmax of the logits) of its target tokens: target k is scored at
         the chunk's k-th token, so it is the token that follows it. Only the rows of
-        those chunks go through the output projection for it."""
+        those chunks go through the output projection for it.
+
+        ``fed`` (MLX backend, one-token chunks only) replaces the chunks' input ids: int32
+        ``[len(chunks)]`` in chunk order, possibly still lazy, so that a step can start on
+        the ids the previous step samples before the host has read them (async
+        scheduling, batchd.engine.async_step)."""
         if not chunks:
             return None, {}
-        plan = self._plan(chunks)
+        plan = self._plan(chunks, fed)
         serving = self._adapters_serving(chunks, plan)
         if serving is None:
             hidden = self._forward(plan) if self._packed is None else self._packed_forward(plan)
@@ -269,7 +277,7 @@ class ModelRunner:
             logits = logits[: len(plan.sample_order)]  # drop the padding rows
         return logits
 
-    def _plan(self, chunks: Sequence[ChunkInput]) -> _Plan:
+    def _plan(self, chunks: Sequence[ChunkInput], fed: mx.array | None = None) -> _Plan:
         decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         decodes.sort(key=lambda i: -chunks[i].start)
         prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
@@ -309,7 +317,7 @@ class ModelRunner:
                 padded_rows(len(sample_rows), self._row_multiple) - len(sample_rows)
             )
         return _Plan(
-            tokens=mx.array(np.asarray(tokens + [0] * padding, dtype=np.int32)),
+            tokens=self._input_ids(tokens, padding, fed, order),
             positions=mx.array(np.asarray(positions + [0] * padding, dtype=np.int32)),
             slots=mx.array(np.asarray(slots, dtype=np.int32)),
             decode_groups=groups,
@@ -319,6 +327,22 @@ class ModelRunner:
             sample_order=sample_order,
             first_rows=first_rows,
         )
+
+    def _input_ids(
+        self, tokens: list[int], padding: int, fed: mx.array | None, order: list[int]
+    ) -> mx.array:
+        """The packed input ids: the chunks' own, or ``fed`` put in packed order."""
+        if fed is None:
+            return mx.array(np.asarray(tokens + [0] * padding, dtype=np.int32))
+        if len(tokens) != len(order) or fed.shape != (len(order),) or self._packed is not None:
+            raise ValueError(
+                f"fed ids {fed.shape} for {len(tokens)} tokens of {len(order)} chunks: they "
+                "feed one-token chunks, one id each, on the MLX forward only"
+            )
+        packed = fed.astype(mx.int32)[mx.array(np.asarray(order, dtype=np.int32))]
+        if not padding:
+            return packed
+        return mx.concatenate([packed, mx.zeros((padding,), dtype=mx.int32)])
 
     def _kernel_rows(
         self, chunks: Sequence[ChunkInput], order: list[int], positions: list[int]

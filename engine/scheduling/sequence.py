@@ -154,6 +154,11 @@ class Sequence:
         """Prompt then outputs, the sequence's own list: read it, never change it."""
         return self._tokens
 
+    def set_token(self, position: int, token_id: int) -> None:
+        """Put the real id where a stand-in stood: async scheduling appends one for a
+        sampled id the host has not read yet (batchd.engine.async_step)."""
+        self._tokens[position] = int(token_id)
+
     def append_token(self, token_id: int) -> None:
         """Add a sampled token. Raises if max_tokens outputs are already there."""
         if self.num_output_tokens >= self.params.max_tokens:

@@ -8,6 +8,7 @@ from pathlib import Path
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 from batchd.daemon.bench.engine_system import (
+    ASYNC_LABEL,
     BACKEND_CONFIGS,
     backends_headline,
     backends_lines,
@@ -23,9 +24,9 @@ def test_backends_workload_runs_every_pair_with_its_step_profile(tiny_model: Pat
     result = compare_backends(
         tiny_model, EngineConfig(max_num_seqs=4), requests, requests[:1], rounds=1
     )
-    labels = {label for label, _, _ in BACKEND_CONFIGS}
+    labels = {label for label, *_ in BACKEND_CONFIGS}
     assert set(result["systems"]) | set(result["skipped"]) == labels
-    before, after = (result["systems"][label] for label, _, _ in BACKEND_CONFIGS[:2])
+    before, after = (result["systems"][label] for label, *_ in BACKEND_CONFIGS[:2])
     assert (before["backend"], before["sampler"]) == ("mlx", "host")
     assert (after["backend"], after["sampler"]) == ("mlx", "device")
     assert result["output_tokens"] == sum(r.max_tokens for r in requests)
@@ -33,7 +34,8 @@ def test_backends_workload_runs_every_pair_with_its_step_profile(tiny_model: Pat
         assert figures["tok_s"] > 0 and figures["decode_step_ms"] > 0
         # One wait a step, measured; building the sample rows happens before it.
         assert figures["device_wait_ms"] >= 0 and figures["host_hidden_ms"] >= 0
-    assert result["mlx_speedup"] > 0
+    assert result["mlx_speedup"] > 0 and result["async_speedup"] > 0
+    assert result["systems"][ASYNC_LABEL]["sampler"] == "device" and result["async_same_tokens"]
     assert "MLX path" in backends_headline(result)
     lines = backends_lines(result)
     assert lines[0] == "## Forward backends and samplers"

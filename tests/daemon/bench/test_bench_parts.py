@@ -323,6 +323,7 @@ def _every_option_changed() -> EngineConfig:
         "max_resident_adapters": 2,
         "forward_backend": "mlx",
         "sampler": "host",
+        "async_scheduling": True,
     }
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new option"
     return EngineConfig(**changed)
