@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from batchd.config.limits import DEFAULT_REDIS_URL
 from batchd.producers.base import ClientBase, HandleBase, JobLike
 from batchd.producers.connection import (
-    async_keys_for,
+    async_read_layout,
     async_redis_client,
     async_reread_cluster,
     is_cluster,
@@ -54,11 +54,13 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         self._submit = self.redis.register_script(SUBMIT)
         self._submit_many = self.redis.register_script(SUBMIT_MANY)
         self._cancel = self.redis.register_script(CANCEL)
+        self._layout_stored = False  # kept from then on: see layout()
 
     async def layout(self) -> Keys:
-        """The deployment's key names: read from Redis by the first command, then kept."""
-        if self._keys is None:
-            self._keys = await async_keys_for(self.redis, self.prefix)
+        """The deployment's key names: read from Redis by each command until a daemon has
+        stored the layout, then kept (:mod:`batchd.producers.connection.layout`)."""
+        if self._keys is None or not self._layout_stored:
+            self._keys, self._layout_stored = await async_read_layout(self.redis, self.prefix)
         return self._keys
 
     async def aclose(self) -> None:

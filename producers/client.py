@@ -22,7 +22,7 @@ from redis.exceptions import MovedError
 
 from batchd.config.limits import DEFAULT_REDIS_URL
 from batchd.producers.base import ClientBase, HandleBase, JobLike
-from batchd.producers.connection import is_cluster, keys_for, redis_client, reread_cluster
+from batchd.producers.connection import is_cluster, read_layout, redis_client, reread_cluster
 from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
 from batchd.producers.keys import Keys, check_name
 from batchd.producers.result import JobResult, collect
@@ -56,10 +56,14 @@ class Client(ClientBase["JobHandle"]):
 
     @property
     def keys(self) -> Keys:
-        """The deployment's key names, read from Redis on first use."""
-        if self._keys is None:
-            self._keys = keys_for(self.redis, self.prefix)
-        return self._keys
+        """The deployment's key names: read from Redis at each use until a daemon has
+        stored the layout, then kept (:mod:`batchd.producers.connection.layout`)."""
+        if self._keys is not None:
+            return self._keys
+        keys, stored = read_layout(self.redis, self.prefix)
+        if stored:
+            self._keys = keys
+        return keys
 
     def close(self) -> None:
         self.redis.close()

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from batchd.daemon.worker.mlx_generator import MLXGenerator
     from batchd.daemon.worker.redis_io import ClusterUrlNeeded
     from batchd.engine.models.registry import resolve_model
-    from batchd.producers.connection.layout import LayoutMismatch
+    from batchd.producers.connection.layout import LayoutError
 
     metrics = None
     if settings.daemon.metrics_port is not None:
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(signum, lambda *_: worker.request_stop())
     try:
         worker.run()
-    except (ClusterUrlNeeded, LayoutMismatch, ConsumerTaken) as exc:
+    except (ClusterUrlNeeded, LayoutError, ConsumerTaken) as exc:
         print(f"batchd serve: {exc}", file=sys.stderr)
         ops.failed(exc)
         return 2

@@ -13,6 +13,15 @@ that owner atomically. A second daemon started under the same consumer name
 cannot take the key while the first refreshes it, so it refuses to start
 instead of running the first one's jobs a second time; and the first one's
 graceful stop never deletes another process's key.
+
+With each beat the thread also keeps the deployment's key layout stored (one GET a
+beat: batchd.producers.connection.layout.LayoutClaim): a layout lost while daemons run
+(a Redis restarted without persistence, a FLUSHALL, an eviction under an allkeys-*
+policy) is written again within a beat, with a warning, so that clients started since
+read the partitions in force. Another layout found stored means the deployment was laid
+out anew under this daemon: it logs an error and the loop stops intake, lets the jobs it
+holds finish (theirs is the old layout) and exits with LayoutMismatch
+(:attr:`Heartbeat.layout_error`), rather than keep reading names no new client writes.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import redis
 from batchd import __version__
 from batchd.config.settings import Settings
 from batchd.daemon.fleet.controls import CONTROLS, ControlWatch
+from batchd.producers.connection.layout import LayoutClaim, LayoutMismatch, LayoutNotWritable
 from batchd.producers.keys import Keys
 from batchd.producers.schema import DaemonHeartbeat
 
@@ -84,11 +94,16 @@ class Heartbeat:
         info: dict[str, Any],
         stall_timeout_s: float = float("inf"),
         watch: ControlWatch | None = None,
+        layout: LayoutClaim | None = None,
     ) -> None:
         """``watch``: the control hash read after each beat (and once at :meth:`acquire`,
-        before the daemon reads any job)."""
+        before the daemon reads any job); ``layout``: the layout kept stored after each
+        beat (claimed by the daemon before :meth:`acquire`)."""
         self.redis = client
         self.watch = watch
+        self.layout = layout
+        # Set (once) by the thread when another layout is stored: the loop stops on it.
+        self.layout_error: LayoutMismatch | None = None
         self.key = key
         self.interval_s = interval_s
         self.ttl_s = ttl_s
@@ -176,10 +191,11 @@ class Heartbeat:
                 self.beat()
                 if self.watch is not None:
                     self.watch.read()
+                self.keep_layout()
                 if self._failing:
                     log.info("heartbeat %s restored", self.key)
                 self._failing = None
-            except (redis.RedisError, ConsumerTaken) as exc:
+            except (redis.RedisError, ConsumerTaken, LayoutNotWritable) as exc:
                 if str(exc) != self._failing:
                     log.error("heartbeat %s failed: %s", self.key, exc)
                 self._failing = str(exc)
@@ -187,6 +203,36 @@ class Heartbeat:
             if stalled:
                 self._exit_stalled(stalled)
             self._stop.wait(self.interval_s)
+
+    def keep_layout(self) -> None:
+        """Store the layout again if it was lost; another one stored sets
+        :attr:`layout_error` (and is not checked again). Raises Redis errors and
+        LayoutNotWritable (the user may not store the lost layout) as they come."""
+        if self.layout is None or self.layout_error is not None:
+            return
+        try:
+            if self.layout.reassert(self.redis):
+                log.warning(
+                    "the key layout %s was lost (Redis restarted without persistence, "
+                    "flushed, or evicted it): stored it again (%d partition(s))",
+                    self.layout.key,
+                    self.layout.partitions,
+                    extra={"event": "layout_restored"},
+                )
+        except LayoutMismatch as exc:
+            log.error(
+                "another key layout was stored under this daemon: %s; stopping intake, the "
+                "jobs held finish, then this daemon exits",
+                exc,
+                extra={"event": "layout_changed"},
+            )
+            self.layout_error = exc
+
+    def check_layout(self) -> None:
+        """Raise the LayoutMismatch found while running, if any (the daemon then exits 2,
+        as it would at a start under that layout)."""
+        if self.layout_error is not None:
+            raise self.layout_error
 
     def _exit_stalled(self, silent_s: float) -> None:
         """The engine has had work and no completed step for ``stall_timeout_s``: the
@@ -205,11 +251,16 @@ class Heartbeat:
 
 
 def daemon_heartbeat(
-    settings: Settings, watch: ControlWatch, consumer: str, max_model_len: int | None
+    settings: Settings,
+    watch: ControlWatch,
+    consumer: str,
+    max_model_len: int | None,
+    layout: LayoutClaim | None = None,
 ) -> Heartbeat:
     """The heartbeat of a daemon serving ``settings``' queues as ``consumer``: what it
     serves (model, queues, context bound, version), the controls it obeys, read by
-    ``watch`` after each beat on the watch's connection."""
+    ``watch`` after each beat on the watch's connection, and the ``layout`` it keeps
+    stored."""
     keys, opts = Keys(settings.key_prefix), settings.daemon
     return Heartbeat(
         watch.redis,
@@ -227,4 +278,5 @@ def daemon_heartbeat(
         },
         stall_timeout_s=opts.stall_timeout_s,
         watch=watch,
+        layout=layout,
     )

@@ -40,15 +40,9 @@ from batchd.daemon.worker.jobs import Job
 from batchd.daemon.worker.member import Member
 from batchd.daemon.worker.metrics import Meter
 from batchd.daemon.worker.publisher import FlushResult, Piggyback, Publisher
-from batchd.daemon.worker.redis_io import (
-    REDIS_DOWN,
-    REDIS_REFUSING,
-    Backoff,
-    claim_keys,
-    connect,
-    daemon_keys,
-)
+from batchd.daemon.worker.redis_io import REDIS_DOWN, REDIS_REFUSING, Backoff, claim_keys, connect
 from batchd.engine.outputs import RequestOutput, StepStats
+from batchd.producers.connection.layout import LayoutClaim
 from batchd.producers.keys import lanes
 
 log = logging.getLogger(__name__)
@@ -79,7 +73,9 @@ class Worker:
         self.ops = ops or Ops(model=settings.model)
         self.queues = lanes(list(settings.queues))  # priority lanes first
         self.redis = connect(settings)
-        self.keys = daemon_keys(settings, self.redis)  # claimed at start (_join)
+        # The layout it serves, claimed at start (_join), kept stored by the heartbeat.
+        self.layout = LayoutClaim.of(self.redis, settings.key_prefix, settings.queue.partitions)
+        self.keys = self.layout.keys
         opts = settings.daemon
         self.meter = Meter()
         self.held = HeldJobs(
@@ -105,7 +101,7 @@ class Worker:
         self.cancels = Cancellations(self.keys, self.redis)
         self.controls = ControlWatch(connect(settings), self.keys.control(consumer))
         self.heartbeat = daemon_heartbeat(
-            settings, self.controls, consumer, generator.max_model_len
+            settings, self.controls, consumer, generator.max_model_len, self.layout
         )
         # When the engine last made progress: its last completed step, or now while idle.
         self.last_step_at = time.time()
@@ -150,6 +146,7 @@ class Worker:
             self.periodic()
             self.publish()
         self._leave()
+        self.heartbeat.check_layout()  # LayoutMismatch: another layout was stored meanwhile
 
     def _idle(self) -> bool:
         return not (self.held or self.gen.has_work() or self.stop.stopping or self.controls.paused)
@@ -206,7 +203,8 @@ class Worker:
             state.update(redis_down=self.backoff.down, paused=self.controls.paused)
             state.update(stopping=self.stop.stopping, draining=self.stop.draining)
             self.heartbeat.update(**self.meter.figures(self.gen.stats(), **state))
-        if self.controls.requested.drain:
+        # A drain, or another layout stored meanwhile (heartbeat): held jobs finish, no more.
+        if self.controls.requested.drain or self.heartbeat.layout_error:
             self.request_stop(drain=True)
         self.ops.tick(self)
         opts = self.settings.daemon
@@ -258,12 +256,12 @@ class Worker:
     # -- joining and leaving the group ------------------------------------------------------
 
     def _join(self) -> bool:
-        """Check the server, take the heartbeat, create groups, take back own pending
-        jobs; retry while Redis is away. False if asked to stop first. Raises
-        LayoutMismatch, ClusterUrlNeeded or ConsumerTaken when this daemon must not start."""
+        """Check the server, claim the layout, take the heartbeat, create groups, take back
+        own pending jobs; retry while Redis is away. False if asked to stop first. Raises
+        LayoutError, ClusterUrlNeeded or ConsumerTaken when this daemon must not start."""
         while not self.stop.stopping:
             try:
-                claim_keys(self.settings, self.redis)
+                claim_keys(self.layout, self.redis, self.queues)  # self.keys: its keys
                 self.heartbeat.acquire()
                 self.member.create_groups(self.queues)
                 self.cancels.start_at_end(self.redis)  # before the first pickup

@@ -17,7 +17,7 @@ from redis.retry import Retry
 from batchd.config.settings import Settings
 from batchd.producers.connection import is_cluster, redis_client
 from batchd.producers.connection.factory import reread_cluster
-from batchd.producers.connection.layout import claim_layout
+from batchd.producers.connection.layout import LayoutClaim
 from batchd.producers.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -46,17 +46,13 @@ class ClusterUrlNeeded(RuntimeError):
     """A plain ``redis://`` URL names a Redis Cluster node."""
 
 
-def daemon_keys(settings: Settings, client: redis.Redis) -> Keys:
-    """The key names this daemon uses: its ``queue.partitions``, tagged on a Cluster;
-    what :func:`claim_layout` returns once :func:`claim_keys` has checked them at start."""
-    return Keys(settings.key_prefix, settings.queue.partitions, tagged=is_cluster(client))
-
-
-def claim_keys(settings: Settings, client: redis.Redis) -> Keys:
-    """Check the deployment at start and claim its layout (batchd.producers.connection.
-    layout): LayoutMismatch when the data is laid out in another partition count, and
+def claim_keys(layout: LayoutClaim, client: redis.Redis, queues: list[str]) -> Keys:
+    """Check the deployment at start and claim ``layout`` (the daemon's queue.partitions,
+    kept stored by its heartbeat: batchd.producers.connection.layout): its key names.
     ClusterUrlNeeded for a Cluster node reached by a plain URL (a client that follows no
-    MOVED would write only the slots of that node)."""
+    MOVED would write only the slots of that node); LayoutMismatch when the data is laid
+    out in another partition count, LayoutNotWritable when this daemon's user may not
+    read or store the layout key."""
     if not is_cluster(client):
         info: Any = client.info("cluster")
         if info.get("cluster_enabled"):
@@ -65,7 +61,30 @@ def claim_keys(settings: Settings, client: redis.Redis) -> Keys:
                 f"{kwargs.get('host')}:{kwargs.get('port')} is a Redis Cluster node: connect "
                 "with redis+cluster://host:port[,host:port...] (every primary's slots)"
             )
-    return claim_layout(client, settings.key_prefix, settings.queue.partitions)
+    if layout.reassert(client) and layout.partitions > 1:
+        _report_stranded(layout, client, queues)
+    return layout.keys
+
+
+def _report_stranded(layout: LayoutClaim, client: redis.Redis, queues: list[str]) -> None:
+    """Log the jobs producers queued under the one-partition names while no layout was
+    stored, now that this daemon stored one of more partitions: none of its daemons reads
+    them (batchd.producers.connection.layout says why a producer may have)."""
+    before = Keys(layout.prefix, tagged=is_cluster(client))
+    for queue in queues:
+        stream = before.queue(queue)
+        entries: Any = client.xlen(stream)
+        if entries and stream not in layout.keys.queue_partitions(queue):
+            log.error(
+                "%s holds %d job(s) queued under the one-partition names while no layout "
+                "was stored (before the first daemon, or after %s was lost): no daemon of "
+                "%d partitions reads that stream; submit them again",
+                stream,
+                entries,
+                layout.key,
+                layout.partitions,
+                extra={"event": "jobs_stranded"},
+            )
 
 
 def pipeline_replies(pipe: Any) -> list[Any]:

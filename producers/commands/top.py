@@ -12,7 +12,7 @@ import redis
 from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.commands.subcommand import add_command
-from batchd.producers.connection import keys_for, redis_client
+from batchd.producers.connection import read_layout, redis_client
 from batchd.producers.keys import Keys
 from batchd.producers.top import CLEAR, render, snapshot_json, take_snapshot
 
@@ -34,12 +34,13 @@ def top(args: argparse.Namespace, settings: Settings) -> int:
     --interval seconds until Ctrl-C.
     """
     client = redis_client(settings.connection_url(), socket_connect_timeout=5, socket_timeout=5)
-    keys: Keys | None = None
+    kept: Keys | None = None  # the layout, once a daemon has stored it
     clear = not args.json and not args.once and sys.stdout.isatty()
     try:
         while True:
             try:
-                keys = keys or keys_for(client, settings.key_prefix)
+                keys, stored = (kept, True) if kept else read_layout(client, settings.key_prefix)
+                kept = keys if stored else None
                 snapshot = take_snapshot(client, keys)
                 text = snapshot_json(snapshot) if args.json else render(snapshot)
             except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -13,21 +13,31 @@ from batchd.producers.connection.factory import (
     reread_cluster,
 )
 from batchd.producers.connection.layout import (
+    LayoutClaim,
+    LayoutError,
     LayoutMismatch,
+    LayoutNotWritable,
     async_keys_for,
+    async_read_layout,
     claim_layout,
     keys_for,
+    read_layout,
 )
 
 __all__ = [
+    "LayoutClaim",
+    "LayoutError",
     "LayoutMismatch",
+    "LayoutNotWritable",
     "async_keys_for",
+    "async_read_layout",
     "async_redis_client",
     "async_redis_pool",
     "async_reread_cluster",
     "claim_layout",
     "is_cluster",
     "keys_for",
+    "read_layout",
     "redis_client",
     "reread_cluster",
 ]

@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchd.producers.aio import AsyncClient
-from batchd.producers.connection import is_cluster, keys_for, redis_client
+from batchd.producers.connection import is_cluster, read_layout, redis_client
 from batchd.producers.dashboard.actions import Actions, refused
 from batchd.producers.dashboard.auth import OperatorAuth, Refused
 from batchd.producers.dashboard.context import Dashboard
@@ -64,7 +64,13 @@ def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
     )
     sync = redis_client(redis_url, socket_connect_timeout=5, socket_timeout=10)
     # Every page names jobs and queues: the deployment's layout is read once, now.
-    keys = keys_for(sync, options.prefix)
+    keys, stored = read_layout(sync, options.prefix)
+    if not stored:
+        log.warning(
+            "no daemon has stored the key layout (%s) yet: the dashboard uses one partition's "
+            "names until it is restarted after the first daemon started",
+            keys.layout,
+        )
     audit = Audit(client.redis, keys)
     collector = LatencyCollector(keys)
     prober = Prober(

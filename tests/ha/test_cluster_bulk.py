@@ -135,6 +135,43 @@ def test_a_batch_through_a_gateway_on_the_cluster(
     assert sorted(orjson.loads(line)["custom_id"] for line in output) == ["r0", "r1", "r2"]
 
 
+def test_a_batch_belongs_to_its_key_on_the_cluster(
+    served: ClusterDeployment, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """As on one Redis (test_gateway_batches.test_files_and_batches_belong_to_their_key):
+    another API key can neither read, list nor cancel a key's batch, nor read its file."""
+    options = GatewayOptions(
+        api_keys=["sk-a", "sk-b"], files_dir=tmp_path / "files", rq_redis_url=redis_server.url
+    )
+    settings = GatewaySettings(host="127.0.0.1", port=free_port())
+    config = uvicorn_config(create_app(served.url, options), settings, log_level="warning")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    line = {"custom_id": "o", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    source = tmp_path / "batch.jsonl"
+    source.write_bytes(orjson.dumps(line) + b"\n")
+    with serve_in_thread(config) as url:
+        a, b = (
+            openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            for key in options.api_keys
+        )
+        with source.open("rb") as upload:
+            file = a.files.create(file=upload, purpose="batch")
+        batch = a.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with pytest.raises(openai.NotFoundError):
+            b.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            b.batches.cancel(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            b.files.content(batch.input_file_id)
+        assert b.batches.list().data == [] and [x.id for x in a.batches.list().data] == [batch.id]
+        assert a.batches.retrieve(batch.id).id == batch.id
+        assert a.batches.cancel(batch.id).status == "cancelling"
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("argv", [["bulk", "in.jsonl", "--out", "out.jsonl"], ["bulk-worker"]])
 def test_without_rq_redis_url_a_cluster_is_refused_naming_it(
     argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
