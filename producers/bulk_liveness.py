@@ -26,7 +26,7 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timezone
 from typing import Any
 
@@ -37,7 +37,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from batchd.config.sections import BulkSettings
-from batchd.producers.keys import DEFAULT_PREFIX
+from batchd.producers.keys import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
 
@@ -54,24 +54,28 @@ class Liveness:
     interval_s: float = BulkSettings().heartbeat_interval_s
     ttl_s: float = BulkSettings().heartbeat_ttl_s
     reap_every_s: float = BulkSettings().reap_interval_s
+    keys: Keys = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", Keys(self.prefix))
 
     @classmethod
     def from_settings(cls, bulk: BulkSettings, *, prefix: str) -> Liveness:
         return cls(prefix, bulk.heartbeat_interval_s, bulk.heartbeat_ttl_s, bulk.reap_interval_s)
 
     def worker_key(self, name: str) -> str:
-        return f"{self.prefix}:bulk:worker:{name}"
+        return self.keys.bulk_worker(name)
 
     @property
     def worker_pattern(self) -> str:
-        return f"{self.prefix}:bulk:worker:*"
+        return self.keys.bulk_worker_pattern
 
     def runner_key(self, job_id: str) -> str:
-        return f"{self.prefix}:bulk:running:{job_id}"
+        return self.keys.bulk_running(job_id)
 
     @property
     def reap_lock(self) -> str:
-        return f"{self.prefix}:bulk:reaping"
+        return self.keys.bulk_reaping
 
 
 def beat_value(**fields: Any) -> bytes:

@@ -26,6 +26,11 @@ belongs to partition ``crc32(id) mod N``; partition k's tag is the first string
 16384 slots, so the partitions spread over a cluster's primaries as its slots do. Anyone
 who knows the id and N finds the job's keys (docs/cluster.md has the rule for other
 languages). The heartbeat, control and layout keys are read one at a time and carry no tag.
+
+Keys also names the keys of batchd's other parts, untagged: the gateway's records
+(``gateway:*``, batchd.producers.gateway.store), the dashboard's (``dashboard:*``,
+batchd.producers.dashboard.records.names) and the bulk workers' liveness (``bulk:*``,
+batchd.producers.bulk_liveness).
 """
 
 from __future__ import annotations
@@ -95,6 +100,9 @@ def check_name(kind: str, value: str) -> str:
 
 # The most partitions a queue may have: every daemon reads each partition of its queues.
 MAX_PARTITIONS = 64
+# Job ids whose partition one Keys remembers: above a daemon's running jobs and a
+# gateway's followed ones, so each id's crc32 is computed once while its job is live.
+PARTITION_CACHE = 4096
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,11 @@ class Keys:
     tagged: bool = False
     # Per partition: what its names start with, ``<prefix>:`` or ``<prefix>:{<tag>}:``.
     _heads: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # Checked job id -> its partition: the daemon names each running job's keys every
+    # step. Emptied when full (a bound, not an LRU: the live ids come straight back).
+    _partition_of: dict[str, int] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.partitions <= MAX_PARTITIONS:
@@ -144,6 +157,13 @@ class Keys:
     layout = _Fixed("layout")
     # SCAN pattern of every live daemon's heartbeat key.
     daemon_pattern = _Fixed("daemon:*")
+    # Sorted set of the gateway's file names in its files folder, by the time they expire.
+    gateway_expiring = _Fixed("gateway:expiring")
+    # The dashboard's audit trail (a stream) and its re-drives' records (a hash).
+    dashboard_audit = _Fixed("dashboard:audit")
+    dashboard_redrives = _Fixed("dashboard:redrives")
+    # The lock one bulk worker holds while it reaps dead workers' runs.
+    bulk_reaping = _Fixed("bulk:reaping")
 
     # Every name a caller passes is checked here, so no id can reach into another job's
     # keys (``X:events`` is job X's events stream) whoever builds the key.
@@ -152,7 +172,16 @@ class Keys:
         """The partition job ``job_id`` belongs to: ``crc32(id) mod partitions``."""
         if self.partitions == 1:
             return 0
-        return zlib.crc32(check_name("id", job_id).encode()) % self.partitions
+        if not isinstance(job_id, str):  # may not be hashable: refused before the cache
+            check_name("id", job_id)
+        cached = self._partition_of.get(job_id)
+        if cached is not None:
+            return cached
+        partition = zlib.crc32(check_name("id", job_id).encode()) % self.partitions
+        if len(self._partition_of) >= PARTITION_CACHE:
+            self._partition_of.clear()
+        self._partition_of[job_id] = partition
+        return partition
 
     def queue(self, name: str = DEFAULT_QUEUE, partition: int = 0) -> str:
         """Partition ``partition`` of queue ``name`` (the queue itself when unpartitioned)."""
@@ -178,6 +207,18 @@ class Keys:
     def queue_patterns(self) -> list[str]:
         """SCAN patterns matching every queue stream (one per partition)."""
         return [f"{_glob_escape(head)}queue:*" for head in self._heads]
+
+    @property
+    def discovery_pattern(self) -> str:
+        """SCAN pattern of every untagged ``daemon:``, ``queue:`` and ``gateway:`` key:
+        one walk finds the heartbeats, and the queues of an unpartitioned layout."""
+        return f"{_glob_escape(self.prefix)}:[dqg]*"
+
+    def job_pattern(self, id_start: str = "") -> str:
+        """SCAN pattern of every job's status hash whose id starts with ``id_start``,
+        in whichever partition (it matches the ``:events`` streams too: SCAN by type)."""
+        tag = "{*}:" if self.tagged else ""
+        return f"{_glob_escape(self.prefix)}:{tag}job:{_glob_escape(id_start)}*"
 
     @property
     def cancel(self) -> str:
@@ -231,8 +272,6 @@ class Keys:
     def _job_head(self, job_id: str) -> str:
         if self.partitions == 1:
             return self._heads[0]
-        if not isinstance(job_id, str):
-            check_name("id", job_id)
         return self._heads[self.partition(job_id)]
 
     def daemon(self, consumer: str) -> str:
@@ -246,6 +285,36 @@ class Keys:
         """A daemon's requested state (pause, drain: batchd.daemon.fleet.controls); under
         ``control:``, since every ``daemon:*`` key is read as a heartbeat."""
         return f"{self.prefix}:control:{consumer}"
+
+    # The gateway's records (batchd.producers.gateway.store): ids are checked there.
+
+    def gateway_file(self, file_id: str) -> str:
+        return f"{self.prefix}:gateway:file:{file_id}"
+
+    def gateway_batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:gateway:batch:{batch_id}"
+
+    def gateway_batches(self, owner: str) -> str:
+        """Sorted set of one owner's batch ids by creation time."""
+        return f"{self.prefix}:gateway:batches:{owner}"
+
+    @property
+    def gateway_batches_pattern(self) -> str:
+        """SCAN pattern of every owner's batch index."""
+        return f"{_glob_escape(self.prefix)}:gateway:batches:*"
+
+    # A bulk worker's liveness (batchd.producers.bulk_liveness), on rq's Redis.
+
+    def bulk_worker(self, name: str) -> str:
+        return f"{self.prefix}:bulk:worker:{name}"
+
+    @property
+    def bulk_worker_pattern(self) -> str:
+        return f"{_glob_escape(self.prefix)}:bulk:worker:*"
+
+    def bulk_running(self, job_id: str) -> str:
+        """Alive while the process running rq job ``job_id`` is."""
+        return f"{self.prefix}:bulk:running:{job_id}"
 
 
 def event_id(seq: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,30 @@ import pytest
 import redis
 
 from support.redis_server import RedisServer
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_as_found() -> Iterator[None]:
+    """Give the root logger back as the test found it. A test that runs the CLI in-process
+    (``main([...])``) has configure_logging point a root handler at the sys.stderr of that
+    moment, pytest's capture of that test, closed when the test ends: every log line of a
+    later test (its daemon threads') then failed with ``--- Logging error ---``. pytest's
+    own handlers come and go with each phase and are left to it."""
+    root = logging.getLogger()
+    found, level = _own_handlers(root), root.level
+    yield
+    for handler in _own_handlers(root):
+        if handler not in found:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in found:
+        root.addHandler(handler)  # again where a test's basicConfig(force=True) dropped it
+    root.setLevel(level)
+
+
+def _own_handlers(logger: logging.Logger) -> list[logging.Handler]:
+    """``logger``'s handlers other than pytest's log capture."""
+    return [h for h in logger.handlers if not type(h).__module__.startswith("_pytest")]
 
 
 @pytest.fixture

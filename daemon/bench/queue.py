@@ -74,6 +74,7 @@ from batchd.daemon.redis_server import free_port
 from batchd.producers.client import Client, follow
 from batchd.producers.connection.factory import is_cluster, redis_client
 from batchd.producers.errors import BatchdError
+from batchd.producers.keys import Keys
 
 _SERVE_MODULE = "batchd.daemon.commands.serve"
 _QUEUE = "bench"
@@ -446,7 +447,7 @@ def _wait_ready(
                 raise QueueUnavailable(
                     f"not available: batchd serve exited with code {daemon.returncode}: {tail}"
                 )
-        if len(list(conn.scan_iter(match=f"{prefix}:daemon:*", count=100))) >= len(daemons):
+        if len(list(conn.scan_iter(match=Keys(prefix).daemon_pattern, count=100))) >= len(daemons):
             return
         time.sleep(0.2)
     raise QueueUnavailable(f"not available: batchd serve not ready after {_START_TIMEOUT_S:.0f}s")

@@ -189,7 +189,7 @@ class Sweep:
         """The next slice of the status hashes of every partition (every primary's on a
         Redis Cluster, whose SCAN reaches one node)."""
         client: Any = self.member.redis
-        match = _job_pattern(self.member.keys)
+        match = self.member.keys.job_pattern()
         if not self.member.cluster:
             cursor, keys = client.scan(
                 self._cursor, match=match, count=self.scan_count, _type="hash"
@@ -361,11 +361,6 @@ class _End:
         if self.error is not None:
             fields["error"] = self.error
         return head + [part for pair in fields.items() for part in pair]
-
-
-def _job_pattern(keys: Keys) -> str:
-    """SCAN pattern of every partition's status hashes (and, not hashes, events streams)."""
-    return f"{keys.prefix}:{{*}}:job:*" if keys.tagged else f"{keys.prefix}:job:*"
 
 
 def _job_id(keys: Keys, key: bytes) -> str | None:

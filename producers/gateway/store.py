@@ -77,21 +77,21 @@ def new_secret() -> str:
 
 
 def file_key(keys: Keys, file_id: str) -> str:
-    return f"{keys.prefix}:gateway:file:{file_id}"
+    return keys.gateway_file(file_id)
 
 
 def batch_key(keys: Keys, batch_id: str) -> str:
-    return f"{keys.prefix}:gateway:batch:{batch_id}"
+    return keys.gateway_batch(batch_id)
 
 
 def batch_index(keys: Keys, owner: str) -> str:
     """Sorted set of one owner's batch ids by creation time (for ``GET /v1/batches``)."""
-    return f"{keys.prefix}:gateway:batches:{owner}"
+    return keys.gateway_batches(owner)
 
 
 def expiring(keys: Keys) -> str:
     """Sorted set of file names in the files folder, by the Unix time they expire."""
-    return f"{keys.prefix}:gateway:expiring"
+    return keys.gateway_expiring
 
 
 def stop_key(keys: Keys, batch_id: str) -> str:

@@ -5,39 +5,21 @@ cannot take are not run, and the cluster faults are refused elsewhere."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from batchd.daemon.chaos.faults import NOT_ON_CLUSTER, FaultKind
-from batchd.daemon.chaos.options import ChaosOptions, problem
-from batchd.daemon.chaos.report import render
-from batchd.daemon.chaos.run import fault_counts, run_chaos
+from batchd.daemon.chaos.options import ChaosOptions
+from batchd.daemon.chaos.run import fault_counts
 from batchd.daemon.cluster_server import has_cluster_cli
-from batchd.engine import EngineConfig
 
 
 @pytest.mark.skipif(not has_cluster_cli(), reason="redis-cli --cluster not available")
-def test_cluster_run_loses_doubles_and_breaks_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    options = ChaosOptions(jobs=30, daemons=2, kills=1, redis_crashes=0, hostile=10)
-    options = dataclasses.replace(
-        options,
-        each_other_fault=0,
-        result_ttl_s=10,
-        deployment="cluster",
-        primary_kills=1,
-        migrations=1,
-    )
-    engine = dataclasses.replace(
-        EngineConfig(), max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=512
-    )
-    result = run_chaos(options, model=tiny_model, engine=engine, workdir=tmp_path)
-    table = render(result, command="cluster smoke")
-    assert result.passed, table
-    assert all(count == 0 for count in result.verdict.zeros().values()), table
-    assert result.verdict.completed + result.verdict.cancelled_as_asked == 30, table
+def test_cluster_run_loses_doubles_and_breaks_nothing(ha_chaos_run: Callable[..., Any]) -> None:
+    result, _ = ha_chaos_run("cluster", primary_kills=1, migrations=1)
     faults = result.ledger.faults
     assert (faults["primary_kill"], faults["migration"], faults["daemon_kill"]) == (1, 1, 1)
     log = "\n".join(result.ledger.fault_log)
@@ -57,10 +39,9 @@ def test_cluster_run_loses_doubles_and_breaks_nothing(tiny_model: Path, tmp_path
     ],
 )
 def test_cluster_faults_need_a_cluster_deployment(
-    changes: dict[str, object], refused: str | None
+    changes: dict[str, object], refused: str | None, assert_refusal: Callable[..., None]
 ) -> None:
-    found = problem(dataclasses.replace(ChaosOptions(), **changes))  # type: ignore[arg-type]
-    assert (found is None) if refused is None else (found is not None and refused in found)
+    assert_refusal(changes, refused)
 
 
 def test_on_a_cluster_the_faults_it_cannot_take_are_not_run() -> None:

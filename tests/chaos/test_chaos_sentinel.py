@@ -3,32 +3,22 @@ SIGKILLed, its replica promoted) and a daemon kill, with the full run's zeros.""
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from batchd.daemon.chaos.faults import FaultKind
-from batchd.daemon.chaos.options import ChaosOptions, problem
-from batchd.daemon.chaos.report import render
-from batchd.daemon.chaos.run import fault_counts, run_chaos
-from batchd.engine import EngineConfig
+from batchd.daemon.chaos.options import ChaosOptions
+from batchd.daemon.chaos.run import fault_counts
 
 
-def test_failover_run_loses_doubles_and_breaks_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    options = ChaosOptions(jobs=30, daemons=2, kills=1, redis_crashes=0, failovers=1, hostile=10)
-    options = dataclasses.replace(
-        options, each_other_fault=0, result_ttl_s=10, deployment="sentinel"
-    )
-    engine = dataclasses.replace(
-        EngineConfig(), max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=512
-    )
-    result = run_chaos(options, model=tiny_model, engine=engine, workdir=tmp_path)
-    table = render(result, command="sentinel smoke")
-    assert result.passed, table
-    assert all(count == 0 for count in result.verdict.zeros().values()), table
-    assert result.verdict.completed + result.verdict.cancelled_as_asked == 30, table
+def test_failover_run_loses_doubles_and_breaks_nothing(
+    ha_chaos_run: Callable[..., Any], tmp_path: Path
+) -> None:
+    result, _ = ha_chaos_run("sentinel", failovers=1)
     assert result.ledger.faults["failover"] == 1 and result.ledger.faults["daemon_kill"] == 1
     # The master really moved: the run says so, and so do the Sentinels' own logs.
     moved = re.search(r"failover: master :(\d+) -> :(\d+)", "\n".join(result.ledger.fault_log))
@@ -46,10 +36,9 @@ def test_failover_run_loses_doubles_and_breaks_nothing(tiny_model: Path, tmp_pat
     ],
 )
 def test_failovers_need_a_sentinel_deployment(
-    changes: dict[str, object], refused: str | None
+    changes: dict[str, object], refused: str | None, assert_refusal: Callable[..., None]
 ) -> None:
-    found = problem(dataclasses.replace(ChaosOptions(), **changes))  # type: ignore[arg-type]
-    assert (found is None) if refused is None else (found is not None and refused in found)
+    assert_refusal(changes, refused)
 
 
 def test_on_sentinel_a_redis_crash_is_a_failover_and_one_address_faults_are_not_run() -> None:

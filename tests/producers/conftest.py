@@ -14,7 +14,7 @@ from redis.cluster import RedisCluster
 from batchd.daemon.cluster_server import ClusterDeployment, cluster_deployment, has_cluster_cli
 from batchd.producers.connection import claim_layout
 from batchd.producers.keys import DEFAULT_PREFIX
-from support.partitioned import PARTITIONS, Partitioned
+from support.partitions import PARTITIONS, Partitioned
 from support.redis_server import RedisServer
 
 

@@ -15,7 +15,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from batchd.producers.connection import LayoutMismatch, claim_layout, keys_for
 from batchd.producers.errors import ValidationError
-from batchd.producers.keys import MAX_PARTITIONS, Keys, partition_tag
+from batchd.producers.keys import MAX_PARTITIONS, PARTITION_CACHE, Keys, partition_tag
 
 
 def test_the_default_layout_keeps_every_name() -> None:
@@ -72,6 +72,25 @@ def test_jobs_spread_over_the_partitions() -> None:
     for i in range(3000):
         counts[keys.partition(f"id-{i}")] += 1
     assert min(counts) > 900
+
+
+def test_remembered_partitions_stay_right_past_the_bound_and_refusals_stay() -> None:
+    keys = Keys(partitions=3)
+    ids = [f"id-{i}" for i in range(PARTITION_CACHE + 10)]
+    for _ in range(2):
+        for job_id in ids:
+            assert keys.partition(job_id) == zlib.crc32(job_id.encode()) % 3
+    assert keys.events(ids[0]) == f"{keys.head(keys.partition(ids[0]))}job:{ids[0]}:events"
+    for bad in ("a:events", "x}:job:y", 7, None):
+        for name in (keys.partition, keys.job, keys.tokens):
+            with pytest.raises(ValidationError):
+                name(bad)
+
+
+def test_job_patterns_cover_every_partition_and_escape_globs() -> None:
+    assert Keys().job_pattern() == "batchd:job:*"
+    assert Keys(partitions=3).job_pattern("ab") == "batchd:{*}:job:ab*"
+    assert Keys("b*d", tagged=True).job_pattern("x?") == r"b\*d:{*}:job:x\?*"
 
 
 def test_partitioned_names_parse_back_and_hostile_ids_are_refused() -> None:

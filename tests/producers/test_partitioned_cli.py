@@ -10,7 +10,7 @@ import pytest
 from batchd.daemon.cli import main
 from batchd.producers.keys import CONSUMER_GROUP, EVENT_FIELD, event_id
 from batchd.producers.schema import Event, FinishReason, JobState
-from support.partitioned import PARTITIONS, Partitioned
+from support.partitions import PARTITIONS, Partitioned
 
 
 def run(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tuple[int, str]:

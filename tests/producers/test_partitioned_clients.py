@@ -15,7 +15,7 @@ from batchd.producers.client import Client, follow
 from batchd.producers.errors import ValidationError
 from batchd.producers.keys import CANCEL_FIELD, EVENT_FIELD, JOB_FIELD, Keys, event_id
 from batchd.producers.schema import Event, FinishReason, JobState, parse_job
-from support.partitioned import PARTITIONS, Partitioned
+from support.partitions import PARTITIONS, Partitioned
 
 IDS = [f"job-{i}" for i in range(24)]
 

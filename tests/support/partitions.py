@@ -1,9 +1,12 @@
-"""Helpers of the partitioned-queue tests (one redis-server with 3 partitions, and a
-real Redis Cluster): settings, raw submits to a job's partition, and jobs spread over
-the partitions (the one-run checks take the keys: faults.checks)."""
+"""Partitioned deployments as the tests see them (one redis-server with 3 partitions,
+and a real Redis Cluster): the deployment a fixture hands a test (``partitioned`` in
+tests/producers/conftest.py makes one), daemon settings, raw submits to a job's
+partition, and jobs spread over the partitions (the one-run checks take the keys:
+faults.checks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,23 @@ from support.daemon_harness import (
     write_config,
 )
 
+# The partitions of the partitioned deployments: more than one, so jobs spread.
 PARTITIONS = 3
+
+
+@dataclass
+class Partitioned:
+    """A deployment laid out in PARTITIONS partitions: its URL, a client of the same kind
+    the producers open (``admin``: a RedisCluster on a cluster), and its key names."""
+
+    kind: str
+    url: str
+    admin: Any
+    keys: Keys
+
+    @property
+    def cluster(self) -> bool:
+        return self.kind == "cluster"
 
 
 def partitioned(url: str, **daemon: Any) -> Settings:

@@ -22,7 +22,6 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from batchd.producers.dashboard.records.names import glob_escape
 from batchd.producers.gateway.fleet import get_many
 from batchd.producers.keys import CONSUMER_GROUP, Keys, is_name
 
@@ -145,7 +144,7 @@ class Prober:
     async def discover(self) -> None:
         """Walk the keyspace (SCAN, server-side MATCH) for queues and heartbeats: once
         unpartitioned, else once more per partition (its queues carry its hash tag)."""
-        patterns = [glob_escape(f"{self.keys.prefix}:") + "[dqg]*"]
+        patterns = [self.keys.discovery_pattern]
         if self.keys.tagged:
             patterns += self.keys.queue_patterns()
         queues: set[str] = set()

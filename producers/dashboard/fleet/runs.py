@@ -20,7 +20,6 @@ from rq import Worker
 from rq.serializers import JSONSerializer
 
 from batchd.producers.bulk_worker import rq_queue
-from batchd.producers.dashboard.records.names import glob_escape
 from batchd.producers.gateway.store import PRIVATE, decode
 from batchd.producers.keys import Keys
 
@@ -125,8 +124,7 @@ def _from_job(job: Any) -> Run:
 
 def _batch_records(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """The newest batch records, found through each owner's index (a sorted set)."""
-    pattern = glob_escape(f"{keys.prefix}:gateway:batches:") + "*"
-    indexes = list(conn.scan_iter(match=pattern, count=1000, _type="zset"))
+    indexes = list(conn.scan_iter(match=keys.gateway_batches_pattern, count=1000, _type="zset"))
     newest: list[tuple[float, bytes]] = []
     for index in indexes:
         members: Any = conn.zrevrange(index, 0, RECENT - 1, withscores=True)
@@ -134,7 +132,7 @@ def _batch_records(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     newest.sort(reverse=True)
     with conn.pipeline(transaction=False) as pipe:
         for _, batch_id in newest[:RECENT]:
-            pipe.hgetall(f"{keys.prefix}:gateway:batch:{batch_id.decode(errors='replace')}")
+            pipe.hgetall(keys.gateway_batch(batch_id.decode(errors="replace")))
         raws = pipe.execute(raise_on_error=False)
     records = []
     for raw in raws:

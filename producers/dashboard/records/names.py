@@ -1,4 +1,4 @@
-"""The Redis keys the dashboard itself writes (the protocol's are in batchd.producers.keys).
+"""The Redis keys the dashboard itself writes (named, as every key is, by batchd.producers.keys).
 
 ==================================  ======  =================================================
 key                                 type    holds
@@ -17,27 +17,20 @@ Under ``control:``, not ``daemon:``: ``batchd top`` and the claim scripts read e
 
 from __future__ import annotations
 
-import re
-
 from batchd.producers.keys import Keys
 
 AUDIT_MAXLEN = 10_000
 
 
 def audit_stream(keys: Keys) -> str:
-    return f"{keys.prefix}:dashboard:audit"
+    return keys.dashboard_audit
 
 
 def redrives(keys: Keys) -> str:
-    return f"{keys.prefix}:dashboard:redrives"
+    return keys.dashboard_redrives
 
 
 def control(keys: Keys, consumer: str) -> str:
     """Consumer names are free text (``host:pid`` by default): callers name only a live
     daemon's, read from its heartbeat key."""
     return keys.control(consumer)
-
-
-def glob_escape(text: str) -> str:
-    """``text`` matched literally by a SCAN MATCH pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

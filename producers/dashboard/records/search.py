@@ -18,7 +18,6 @@ import orjson
 import redis.asyncio as aioredis
 
 from batchd.producers.connection import is_cluster
-from batchd.producers.dashboard.records.names import glob_escape
 from batchd.producers.keys import EVENT_FIELD, JOB_FIELD, Keys, is_name
 
 FIELDS = ("state", "queue", "queued_at", "finished_at", "completion_tokens", "daemon", "error")
@@ -82,8 +81,7 @@ async def search(
         rows += await _matching(client, keys, query, [keys.job(query.id)])
     if is_cluster(client):
         return SearchPage(rows[:limit], 0, 0)
-    tag = "{*}:" if keys.tagged else ""  # a partition's tag, whichever
-    pattern = glob_escape(f"{keys.prefix}:") + tag + "job:" + glob_escape(query.id) + "*"
+    pattern = keys.job_pattern(query.id)
     steps = 0
     seen = {row.id for row in rows}
     while steps * SCAN_COUNT < max_keys and len(rows) < limit:

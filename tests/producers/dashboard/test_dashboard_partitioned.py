@@ -21,7 +21,7 @@ from batchd.producers.dashboard.records.dead import count_letters, read_letter, 
 from batchd.producers.dashboard.records.jobs import load_job
 from batchd.producers.dashboard.records.search import JobQuery, search
 from batchd.producers.keys import CONSUMER_GROUP
-from support.partitioned import PARTITIONS, Partitioned
+from support.partitions import PARTITIONS, Partitioned
 
 IDS = [f"d{i}" for i in range(12)]
 

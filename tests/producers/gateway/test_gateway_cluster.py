@@ -18,7 +18,7 @@ from batchd.daemon.cluster_server import ClusterDeployment
 from batchd.producers.client import Client
 from batchd.producers.gateway.options import GatewayOptions
 from support.daemon_harness import ENGINE_OPTS, DaemonProcess, fast_settings, write_config
-from support.partitioned import PARTITIONS
+from support.partitions import PARTITIONS
 
 MODEL = "tiny"
 API_KEY = "sk-test-cluster"

@@ -18,7 +18,7 @@ from batchd.producers.gateway.serving.hub import Hub, running
 from batchd.producers.gateway.serving.metrics import connections
 from batchd.producers.keys import EVENT_FIELD, event_id
 from batchd.producers.schema import Event, FinishReason, JobState
-from support.partitioned import PARTITIONS, Partitioned
+from support.partitions import PARTITIONS, Partitioned
 
 IDS = [f"g{i}" for i in range(12)]
 
