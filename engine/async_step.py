@@ -34,29 +34,67 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import mlx.core as mx
 import numpy as np
 
-from batchd.engine.forward.backend import MLX
+from batchd.engine.config import EngineConfig
+from batchd.engine.forward.backend import MLX, BackendChoice
+from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.model_runner import ModelRunner
-from batchd.engine.outputs import RequestOutput
+from batchd.engine.outputs import RequestOutput, StepStats
+from batchd.engine.request_state import RequestState
 from batchd.engine.sampler import SampleRow
 from batchd.engine.sampling import device
 from batchd.engine.sampling.samplers import DEVICE
 from batchd.engine.scheduling.schedule import SchedulerOutput
+from batchd.engine.scheduling.scheduler import Scheduler
 from batchd.engine.scheduling.sequence import Sequence
-
-if TYPE_CHECKING:
-    from batchd.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 # The token a sequence holds for a sampled id not read yet; replaced before any read.
 PENDING = -1
+
+
+class LLMEngine(Protocol):
+    """What the async step uses of :class:`batchd.engine.llm_engine.LLMEngine` (which
+    imports this module: the engine is described here, not imported)."""
+
+    config: EngineConfig
+    backend: BackendChoice
+    runner: ModelRunner | GenericRunner
+    scheduler: Scheduler
+    last_step_stats: StepStats
+    _live: dict[str, dict[int, Sequence]]
+    _states: dict[str, RequestState]
+    _prompt_logprobs: dict[str, list[float]]
+
+    def _schedule(self) -> SchedulerOutput: ...
+
+    def _run(self, scheduled: SchedulerOutput, start: float) -> list[RequestOutput]: ...
+
+    def _output(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None,
+    ) -> RequestOutput: ...
+
+    def _stats(
+        self,
+        scheduled: SchedulerOutput,
+        start: float,
+        forward_s: float,
+        num_outputs: int,
+        drafted: int = 0,
+        accepted: int = 0,
+        overlap: tuple[float, float] = (0.0, 0.0),
+    ) -> StepStats: ...
 
 
 @dataclass

@@ -12,7 +12,6 @@ from the thread that owns it (MLX streams are thread-local).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -22,33 +21,32 @@ from typing import Any
 
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
-import mlx.core as mx
-import numpy as np
-
 from batchd.engine.adapters.resident import AdapterCache
 from batchd.engine.async_step import async_steps
 from batchd.engine.config import EngineConfig
 from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.detokenizer import TokenTexts, special_token_ids
-from batchd.engine.exceptions import InvalidRequest
 from batchd.engine.forward import kv_quant
 from batchd.engine.forward.backend import choose as choose_backend
 from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.kv_pool import KVPool, size_pool
 from batchd.engine.forward.model_runner import ModelRunner
-from batchd.engine.logits_processors import PenaltyHistory, PenaltyTokens
 from batchd.engine.models.loader import LoadedModel, load
-from batchd.engine.outputs import ChunkKind, ChunkStat, RequestOutput, StepStats
-from batchd.engine.prompt import check_ids, encode_prompt
-from batchd.engine.request_state import RequestState, TokenVerdict
-from batchd.engine.sampler import SampleRow, Samples
+from batchd.engine.outputs import RequestOutput, StepStats
+from batchd.engine.prompt import encode_prompt
+from batchd.engine.request_state import RequestState
+from batchd.engine.requests import intake
+from batchd.engine.requests.outputs import emit, keep_prompt_logprobs, prompt_targets, token_output
+from batchd.engine.sampling.rows import may_speculate, sample_rows
 from batchd.engine.sampling.samplers import make_sampler
 from batchd.engine.sampling_params import SamplingParams
-from batchd.engine.scheduling.schedule import ScheduledChunk, SchedulerOutput
+from batchd.engine.scheduling.schedule import SchedulerOutput
 from batchd.engine.scheduling.scheduler import Scheduler
 from batchd.engine.scheduling.sequence import FinishReason
 from batchd.engine.scheduling.sequence import Sequence as Seq
-from batchd.engine.speculative import DraftProposer, NgramProposer, load_draft
+from batchd.engine.scheduling.stats import step_stats
+from batchd.engine.speculative import DraftProposer, NgramProposer
+from batchd.engine.speculative.choose import choose_proposer
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
 
@@ -112,20 +110,8 @@ class LLMEngine:
             propose=self._propose,
         )
         # Speculative decoding (docs/engine.md, "Speculative decoding").
-        self.proposer: NgramProposer | DraftProposer = NgramProposer(
-            k=config.num_speculative_tokens,
-            min_n=config.speculative_ngram_min,
-            max_n=config.speculative_ngram_max,
-        )
-        proposes = f"n-grams {config.speculative_ngram_min}..{config.speculative_ngram_max}"
-        if config.speculative == "draft" and config.speculative_draft_model is not None:
-            self.proposer = load_draft(
-                config.speculative_draft_model,
-                loaded,
-                k=config.num_speculative_tokens,
-                dtype=config.dtype,
-            )
-            proposes = f"draft model {config.speculative_draft_model}"
+        self.proposer: NgramProposer | DraftProposer
+        self.proposer, proposes = choose_proposer(config, loaded)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         if config.speculative != "off":
@@ -229,41 +215,13 @@ class LLMEngine:
         if adapter is not None:
             self.adapters.acquire(adapter, request_id)
         resumed = [int(t) for t in resume_output_token_ids]
-        biased = [t for t, _ in params.logit_bias]
-        check_ids(request_id, ids + resumed + biased, self.spec.vocab_size)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room in "
-                f"max_model_len {self.max_model_len}"
-            )
-        state = RequestState(
-            request_id,
-            params,
-            seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
-            tokenizer=self.tokenizer,
-            eos_token_ids=self.eos_token_ids,
-            # Generation also stops at the context length (finish_reason "length").
-            max_outputs=min(params.max_tokens, self.max_model_len - len(ids)),
-            matcher=(
-                self.grammar_tokenizer.matcher(params.constraint) if params.constraint else None
-            ),
-            history=PenaltyHistory.of_request(params, ids),
-            special_ids=self.special_token_ids,
-        )
+        state = intake.request_state(self, request_id, ids, resumed, params, rng=self._rng)
         if resumed:
             finished = state.resume(resumed)
             if finished is not None:
                 return finished
-        remaining = dataclasses.replace(params, max_tokens=state.max_outputs - len(resumed))
-        # The scheduler's key: unique per (request, sample), never read back.
-        seq = Seq(
-            f"{request_id}/{sample}",
-            ids + resumed,
-            remaining,
-            priority=priority,
-            request_id=request_id,
-            sample=sample,
-            adapter=adapter,
+        seq = intake.sequence(
+            request_id, state, ids, resumed, sample=sample, priority=priority, adapter=adapter
         )
         leader = next(iter(live.values()), None)
         if leader is not None and self.config.enable_prefix_caching:
@@ -308,14 +266,14 @@ class LLMEngine:
             self.last_step_stats = self._stats(scheduled, start, 0.0, 0)
             return []
         sampling = [c for c in scheduled.chunks if c.samples]
-        targets = self._prompt_targets(scheduled.chunks)
+        targets = prompt_targets(scheduled.chunks, self._prompt_logprobs)
         logits, scores = self.runner.execute_scored(scheduled.chunks, targets)
         outputs: list[RequestOutput] = []
         drafted = accepted = 0
         overlap_s = wait_s = 0.0
         if logits is None:
             forward_s = time.perf_counter() - start
-            self._keep_prompt_logprobs(scheduled, scores, targets)
+            keep_prompt_logprobs(scheduled.chunks, scores, targets, self._prompt_logprobs)
             self.scheduler.update(scheduled, {})
         else:
             # Evaluation starts now; the host builds the step's sample rows (grammar
@@ -323,76 +281,21 @@ class LLMEngine:
             extra = list(scores.values())
             self.sampler.begin(logits, extra)
             launched = time.perf_counter()
-            self.sampler.prepare(self._sample_rows(sampling))
+            self.sampler.prepare(sample_rows(sampling, self._states, self.grammar_tokenizer))
             overlap_s = time.perf_counter() - launched
             samples = self.sampler.sample()
             wait_s = self.sampler.wait_s
             forward_s = time.perf_counter() - start
-            self._keep_prompt_logprobs(scheduled, scores, targets)
-            outputs, drafted, accepted = self._emit(scheduled, sampling, samples)
+            keep_prompt_logprobs(scheduled.chunks, scores, targets, self._prompt_logprobs)
+            outputs, drafted, accepted = emit(
+                self.scheduler, scheduled, sampling, samples, self._output
+            )
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.last_step_stats = self._stats(
             scheduled, start, forward_s, len(outputs), drafted, accepted, (overlap_s, wait_s)
         )
         return outputs
-
-    def _keep_prompt_logprobs(
-        self,
-        scheduled: SchedulerOutput,
-        scores: dict[int, mx.array],
-        targets: dict[int, list[int]],
-    ) -> None:
-        """The step's prompt logprobs (evaluated already) into their requests' lists."""
-        for i, score in scores.items():
-            chunk = scheduled.chunks[i]
-            values = self._prompt_logprobs[chunk.seq.seq_id]
-            values[chunk.start : chunk.start + len(targets[i])] = np.asarray(score).tolist()
-
-    def _sample_rows(self, sampling: list[ScheduledChunk]) -> list[SampleRow]:
-        """Every logits row's sampling inputs, in row order (a verify chunk has one per
-        proposed token and one more)."""
-        allowed = self._grammar_masks(sampling)
-        rows: list[SampleRow] = []
-        for c in sampling:
-            if c.draft:
-                rows.extend(self._verify_rows(c.seq, len(c.draft)))
-            else:
-                rows.append(self._sample_row(c.seq, allowed.get(c.seq.seq_id)))
-        return rows
-
-    def _emit(
-        self, scheduled: SchedulerOutput, sampling: list[ScheduledChunk], samples: Samples
-    ) -> tuple[list[RequestOutput], int, int]:
-        """Keep each verify chunk's accepted run, update the scheduler and emit; the
-        outputs, proposed and accepted draft tokens."""
-        ids = samples.token_ids
-        sampled: dict[str, int | list[int]] = {}
-        emitted: list[tuple[ScheduledChunk, int, int]] = []  # chunk, first row, count
-        drafted = accepted = row = 0
-        for c in sampling:
-            n = 1
-            if c.draft:
-                # Keep each sampled token while it is the one proposed at that position:
-                # the next position's logits then saw exactly the non-speculative context.
-                while n <= len(c.draft) and ids[row + n - 1] == c.draft[n - 1]:
-                    n += 1
-                sampled[c.seq.seq_id] = ids[row : row + n]
-                drafted += len(c.draft)
-                accepted += n - 1
-            else:
-                sampled[c.seq.seq_id] = ids[row]
-            emitted.append((c, row, n))
-            row += c.num_logits
-        self.scheduler.update(scheduled, sampled)
-        outputs: list[RequestOutput] = []
-        for chunk, first, n in emitted:
-            for r in range(first, first + n):
-                out = self._output(chunk.seq, ids[r], samples.logprobs[r], samples.top_logprobs[r])
-                outputs.append(out)
-                if out.finished:
-                    break  # a stop or max_tokens inside the accepted run: none after
-        return outputs, drafted, accepted
 
     def generate(
         self,
@@ -428,66 +331,13 @@ class LLMEngine:
             if seq.adapter is not None
         }
 
-    def _prompt_targets(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[int]]:
-        """For each chunk of a request still owed its prompt's logprobs, the prompt tokens
-        its positions predict (the one after each), by chunk index."""
-        targets = {}
-        for i, chunk in enumerate(chunks):
-            seq = chunk.seq
-            if seq.seq_id in self._prompt_logprobs:
-                count = min(chunk.num_tokens, seq.num_prompt_tokens - 1 - chunk.start)
-                if count > 0:
-                    targets[i] = seq.tokens(chunk.start + 1, chunk.start + 1 + count)
-        return targets
-
-    def _grammar_masks(self, sampling: Sequence[ScheduledChunk]) -> dict[str, np.ndarray]:
-        """The allowed tokens of every constrained row of this step, by sequence id."""
-        ids = [c.seq.seq_id for c in sampling if self._states[c.seq.seq_id].matcher]
-        if not ids:
-            return {}
-        matchers = [self._states[i].matcher for i in ids]
-        masks = self.grammar_tokenizer.masks([m for m in matchers if m is not None])
-        return dict(zip(ids, masks, strict=True))
-
     def _propose(self, seq: Seq, room: int) -> list[int]:
         """The scheduler's proposer: proposed tokens for a decoding row that may
-        speculate, at most ``room``. Rows whose logits processors depend on the tokens
-        before them beyond their position (a grammar; penalties) never speculate, so
-        they see exactly the context they would without it."""
+        speculate (batchd.engine.sampling.rows.may_speculate), at most ``room``."""
         state = self._states.get(seq.seq_id)
-        if state is None:
-            return []
-        params = state.params
-        wanted = params.speculative
-        if wanted is False or (wanted is None and self.config.speculative == "off"):
-            return []
-        if state.matcher is not None or params.penalises_recent:
+        if state is None or not may_speculate(state, self.config.speculative):
             return []
         return self.proposer.propose(seq, room)
-
-    def _verify_rows(self, seq: Seq, num_draft: int) -> list[SampleRow]:
-        """The sample rows of a verify chunk: the decode's, then one per draft token,
-        each at its own output position (its own seeded draw) and min_tokens state."""
-        state = self._states[seq.seq_id]
-        return [
-            SampleRow(
-                state.params, state.seed, state.num_outputs + j, None, tuple(state.banned_after(j))
-            )
-            for j in range(num_draft + 1)
-        ]
-
-    def _sample_row(self, seq: Seq, allowed: np.ndarray | None) -> SampleRow:
-        state = self._states[seq.seq_id]
-        penalised = None
-        window = state.params.penalty_window
-        if state.history is not None:
-            penalised = state.history.tokens()
-        elif window is not None and state.params.penalises_recent:
-            start = max(0, seq.num_tokens - window)
-            penalised = PenaltyTokens.window(seq.tokens(start, seq.num_tokens))
-        return SampleRow(
-            state.params, state.seed, state.num_outputs, penalised, tuple(state.banned), allowed
-        )
 
     def _output(
         self,
@@ -496,44 +346,25 @@ class LLMEngine:
         logprob: float,
         top: list[tuple[int, float]] | None,
     ) -> RequestOutput:
-        state = self._states[seq.seq_id]
-        index = state.num_outputs
-        prompt_logprobs = self._prompt_logprobs.pop(seq.seq_id, None)
-        texts = None
-        if state.params.token_texts:
-            named = [token_id, *(t for t, _ in top or ())]
-            if prompt_logprobs is not None:
-                named += seq.tokens(0, seq.num_prompt_tokens)
-            texts = self._token_texts.of(named)
-        error = None
-        try:
-            verdict = state.on_token(token_id)
-        except InvalidRequest as exc:  # its grammar failed (an llguidance limit): it alone ends
-            error = f"request {seq.request_id!r}: {exc}"
-            verdict = TokenVerdict("", FinishReason.error)
-        if verdict.finish_reason is not None:
-            self.scheduler.finish(seq.seq_id, verdict.finish_reason)
+        """``seq``'s output for its next token; a sample it finishes leaves the engine."""
+        out = token_output(
+            seq,
+            self._states[seq.seq_id],
+            token_id,
+            logprob,
+            top,
+            prompt_logprobs=self._prompt_logprobs.pop(seq.seq_id, None),
+            token_texts=self._token_texts,
+        )
+        if out.finish_reason is not None:
+            self.scheduler.finish(seq.seq_id, out.finish_reason)
             self.proposer.drop(seq.seq_id)
             del self._states[seq.seq_id]
             samples = self._live[seq.request_id]
             del samples[seq.sample]
             if not samples:
                 del self._live[seq.request_id]
-        return RequestOutput(
-            request_id=seq.request_id,
-            token_id=token_id,
-            text=verdict.text,
-            logprob=logprob,
-            index=index,
-            finished=verdict.finish_reason is not None,
-            finish_reason=verdict.finish_reason,
-            top_logprobs=top,
-            error=error,
-            prompt_logprobs=prompt_logprobs,
-            sample=seq.sample,
-            cached_tokens=seq.num_cached_tokens,
-            token_texts=texts,
-        )
+        return out
 
     def _stats(
         self,
@@ -545,39 +376,16 @@ class LLMEngine:
         accepted: int = 0,
         overlap: tuple[float, float] = (0.0, 0.0),
     ) -> StepStats:
-        sched = self.scheduler
-        bm = sched.block_manager
-        decode_tokens = scheduled.num_decode_tokens
-        return StepStats(
+        """The step's stats, its speculative counts added to the engine's totals already."""
+        return step_stats(
+            self.scheduler,
+            scheduled,
             step=self._num_steps,
-            num_scheduled_tokens=scheduled.num_batched_tokens,
-            num_prefill_tokens=scheduled.num_batched_tokens - decode_tokens,
-            num_decode_tokens=decode_tokens,
-            num_seqs=len(scheduled.chunks),
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
+            start=start,
+            forward_s=forward_s,
             num_outputs=num_outputs,
-            step_time_s=time.perf_counter() - start,
-            forward_time_s=forward_s,
-            kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_total=bm.num_blocks,
-            prefix_cache_hit_rate=bm.hit_rate,
-            num_preemptions_total=sched.num_preemptions,
-            preempted=[s.request_id for s in scheduled.preempted],
-            num_draft_tokens=drafted,
-            num_accepted_tokens=accepted,
-            num_draft_tokens_total=self.num_draft_tokens,
-            num_accepted_tokens_total=self.num_accepted_tokens,
-            host_overlap_s=overlap[0],
-            sync_wait_s=overlap[1],
-            chunks=[
-                ChunkStat(
-                    c.seq.request_id,
-                    ChunkKind.decode if c.is_decode else ChunkKind.prefill,
-                    c.start,
-                    c.num_tokens,
-                    sample=c.seq.sample,
-                )
-                for c in scheduled.chunks
-            ],
+            drafted=drafted,
+            accepted=accepted,
+            totals=(self.num_draft_tokens, self.num_accepted_tokens),
+            overlap=overlap,
         )

@@ -30,7 +30,9 @@ measured slower (docs/bench/HISTORY.md, "Figures behind the code's choices"). St
 thread that made them, so the runner makes its own on first use in each thread.
 
 The runner knows nothing of the scheduler: it reads chunks through the small
-ChunkInput protocol, so tests can drive it with hand-built batches.
+ChunkInput protocol, so tests can drive it with hand-built batches. How a step's chunks
+are packed into rows (order, padding, slots, block tables) is
+batchd.engine.forward.step_plan's; this module runs the plan.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
@@ -55,15 +56,15 @@ from batchd.engine.forward.backend import choose as choose_backend
 from batchd.engine.forward.kv_pool import KVPool
 from batchd.engine.forward.native_forward import NativeForward
 from batchd.engine.forward.packed_model import pack_model
-from batchd.engine.forward.paged_attention import (
-    DecodeGroup,
-    PrefillChunk,
-    decode_attention,
-    group_decodes,
-    make_decode_group,
-    make_prefill_chunk,
-    prefill_attention,
-    split_for_lanes,
+from batchd.engine.forward.paged_attention import decode_attention, prefill_attention
+from batchd.engine.forward.step_plan import (
+    ROW_MULTIPLE,
+    ChunkInput,
+    StepPlan,
+    num_logits,
+    padded_rows,
+    plan_step,
+    round_up,
 )
 from batchd.engine.models.loader import ModelSpec
 from batchd.engine.models.weight_layout import lay_out_for_cpu
@@ -71,76 +72,14 @@ from batchd.engine.models.weight_layout import lay_out_for_cpu
 # Most attention streams on a CPU: beyond a few, memory bandwidth is the limit.
 MAX_LANES = 4
 
-# On CPU the packed batch, and the rows the output projection runs on, are padded to a
-# multiple of this many rows (from _MIN_PADDED rows up): OpenBLAS's sgemm handles a partial
-# block of 16 rows slowly (figures: docs/bench/HISTORY.md, "Figures behind the code's
-# choices"). Below _MIN_PADDED rows the small products are cheaper as they are. Revisit
-# with another BLAS or when the engine's own products take these rows.
-ROW_MULTIPLE = 16
-_MIN_PADDED = 4
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def padded_rows(n: int, multiple: int) -> int:
-    """Rows the linear layers run on for ``n`` tokens."""
-    if multiple <= 1 or n < _MIN_PADDED:
-        return n
-    return round_up(n, multiple)
-
 
 def cpu_lanes() -> int:
     """Attention streams to use on a CPU: one per core, up to MAX_LANES."""
     return max(1, min(MAX_LANES, os.cpu_count() or 1))
 
 
-class ChunkInput(Protocol):
-    """Tokens of one sequence computed this step, as the runner reads them.
-
-    ``token_ids`` sit at positions ``start .. start + len - 1``; ``slots`` are
-    their pool slots; ``block_table`` covers at least every position up to
-    the last one; ``samples`` asks for logits at the last position (at the last
-    ``num_logits`` positions where a chunk has that attribute: a speculative verify
-    chunk). The scheduler's ScheduledChunk is one; tests build their own.
-    """
-
-    @property
-    def token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def start(self) -> int: ...
-
-    @property
-    def slots(self) -> Sequence[int]: ...
-
-    @property
-    def block_table(self) -> Sequence[int]: ...
-
-    @property
-    def samples(self) -> bool: ...
-
-
 # Hidden states and logits: lazy MLX arrays, or NumPy arrays from the packed products.
 Logits = mx.array | np.ndarray
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Index arrays of one step, built once with NumPy and shared by all layers."""
-
-    tokens: mx.array
-    positions: mx.array
-    slots: mx.array
-    decode_groups: list[DecodeGroup]
-    # With the C kernel, instead of decode groups and prefill chunks: every real row's
-    # block table [rows, width] and number of keys to attend [rows].
-    kernel_rows: tuple[np.ndarray, np.ndarray] | None
-    prefills: list[PrefillChunk]
-    sample_rows: np.ndarray | None
-    sample_order: list[int]  # chunk index of each sampled row, in row order
-    first_rows: dict[int, int]  # chunk index -> its first packed row
 
 
 class ModelRunner:
@@ -251,7 +190,7 @@ class ModelRunner:
         return self._sampled_logits(hidden, plan), scores
 
     def _adapters_serving(
-        self, chunks: Sequence[ChunkInput], plan: _Plan
+        self, chunks: Sequence[ChunkInput], plan: StepPlan
     ) -> AbstractContextManager[None] | None:
         if self.adapters is None or not self.adapters.paths:  # none served: base rows only
             return None
@@ -266,7 +205,7 @@ class ModelRunner:
         picked = mx.array(np.asarray(targets, dtype=np.int32))[:, None]
         return mx.take_along_axis(logprobs, picked, axis=-1)[:, 0]
 
-    def _sampled_logits(self, hidden: Logits, plan: _Plan) -> mx.array:
+    def _sampled_logits(self, hidden: Logits, plan: StepPlan) -> mx.array:
         assert plan.sample_rows is not None
         logits = self._logits(_take(hidden, plan.sample_rows))
         if plan.sample_order != sorted(plan.sample_order):
@@ -277,127 +216,19 @@ class ModelRunner:
             logits = logits[: len(plan.sample_order)]  # drop the padding rows
         return logits
 
-    def _plan(self, chunks: Sequence[ChunkInput], fed: mx.array | None = None) -> _Plan:
-        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        decodes.sort(key=lambda i: -chunks[i].start)
-        prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        order = decodes + prefills
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_order: list[int] = []
-        first_rows: dict[int, int] = {}
-        for i in order:
-            c = chunks[i]
-            n = len(c.token_ids)
-            if len(c.slots) != n:
-                raise ValueError(f"chunk {i}: {n} tokens but {len(c.slots)} slots")
-            first_rows[i] = len(tokens)
-            tokens.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + n))
-            slots.extend(c.slots)
-            if c.samples:
-                # A verify chunk (speculative decoding) needs logits at each of its rows.
-                m = num_logits(c)
-                sample_rows.extend(range(len(tokens) - m, len(tokens)))
-                sample_order.extend([i] * m)
-        if self.native_attention:
-            kernel_rows = self._kernel_rows(chunks, order, positions)
-            groups, prefill_chunks = [], []
-        else:
-            kernel_rows = None
-            groups = self._decode_groups(chunks, decodes)
-            prefill_chunks = self._prefill_chunks(chunks, prefills, first_rows)
-        # Padding rows: token 0 at position 0, never written to the pool nor attended; the
-        # output projection runs on padded rows too (repeats of row 0, dropped after).
-        padding = padded_rows(len(tokens), self._row_multiple) - len(tokens)
-        if sample_rows:
-            sample_rows += [0] * (
-                padded_rows(len(sample_rows), self._row_multiple) - len(sample_rows)
-            )
-        return _Plan(
-            tokens=self._input_ids(tokens, padding, fed, order),
-            positions=mx.array(np.asarray(positions + [0] * padding, dtype=np.int32)),
-            slots=mx.array(np.asarray(slots, dtype=np.int32)),
-            decode_groups=groups,
-            kernel_rows=kernel_rows,
-            prefills=prefill_chunks,
-            sample_rows=np.asarray(sample_rows, dtype=np.int32) if sample_rows else None,
-            sample_order=sample_order,
-            first_rows=first_rows,
+    def _plan(self, chunks: Sequence[ChunkInput], fed: mx.array | None = None) -> StepPlan:
+        return plan_step(
+            chunks,
+            fed,
+            block_size=self.pool.block_size,
+            row_multiple=self._row_multiple,
+            lanes=self.lanes,
+            num_kv_heads=self.spec.num_kv_heads,
+            kernel=self.native_attention,
+            packed=self._packed is not None,
         )
 
-    def _input_ids(
-        self, tokens: list[int], padding: int, fed: mx.array | None, order: list[int]
-    ) -> mx.array:
-        """The packed input ids: the chunks' own, or ``fed`` put in packed order."""
-        if fed is None:
-            return mx.array(np.asarray(tokens + [0] * padding, dtype=np.int32))
-        if len(tokens) != len(order) or fed.shape != (len(order),) or self._packed is not None:
-            raise ValueError(
-                f"fed ids {fed.shape} for {len(tokens)} tokens of {len(order)} chunks: they "
-                "feed one-token chunks, one id each, on the MLX forward only"
-            )
-        packed = fed.astype(mx.int32)[mx.array(np.asarray(order, dtype=np.int32))]
-        if not padding:
-            return packed
-        return mx.concatenate([packed, mx.zeros((padding,), dtype=mx.int32)])
-
-    def _kernel_rows(
-        self, chunks: Sequence[ChunkInput], order: list[int], positions: list[int]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Each row attends to the keys up to its own position through its chunk's table:
-        a prefill row is a decode row of a shorter sequence."""
-        bs = self.pool.block_size
-        lengths = np.asarray(positions, dtype=np.int32) + 1
-        width = -(-int(lengths.max()) // bs)
-        tables = np.zeros((len(positions), width), dtype=np.int32)
-        row = 0
-        for i in order:
-            c = chunks[i]
-            n = len(c.token_ids)
-            used = -(-(c.start + n) // bs)
-            tables[row : row + n, :used] = np.asarray(c.block_table[:used], dtype=np.int32)
-            row += n
-        return tables, lengths
-
-    def _decode_groups(self, chunks: Sequence[ChunkInput], decodes: list[int]) -> list[DecodeGroup]:
-        bs = self.pool.block_size
-        lengths = [chunks[i].start + 1 for i in decodes]
-        groups = []
-        for a, b, lane in split_for_lanes(lengths, group_decodes(lengths), self.lanes):
-            tables = [
-                list(chunks[decodes[j]].block_table[: -(-lengths[j] // bs)]) for j in range(a, b)
-            ]
-            groups.append(
-                make_decode_group(
-                    a,
-                    tables,
-                    lengths[a:b],
-                    block_size=bs,
-                    num_kv_heads=self.spec.num_kv_heads,
-                    lane=lane,
-                )
-            )
-        return groups
-
-    def _prefill_chunks(
-        self, chunks: Sequence[ChunkInput], prefills: list[int], first_rows: dict[int, int]
-    ) -> list[PrefillChunk]:
-        bs = self.pool.block_size
-        return [
-            make_prefill_chunk(
-                first_rows[i],
-                chunks[i].start,
-                len(chunks[i].token_ids),
-                list(chunks[i].block_table),
-                block_size=bs,
-            )
-            for i in prefills
-        ]
-
-    def _forward(self, plan: _Plan) -> mx.array:
+    def _forward(self, plan: StepPlan) -> mx.array:
         streams = self._lane_streams()
         x: mx.array = self.model.model.embed_tokens(plan.tokens)
         n, real = x.shape[0], plan.slots.shape[0]  # rows with padding, rows of real tokens
@@ -448,7 +279,7 @@ class ModelRunner:
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
 
-    def _packed_forward(self, plan: _Plan) -> np.ndarray:
+    def _packed_forward(self, plan: StepPlan) -> np.ndarray:
         """The native_cpu backend's forward (batchd.engine.forward.native_forward)."""
         assert self._native is not None and plan.kernel_rows is not None
         return self._native.hidden(
@@ -504,14 +335,22 @@ class ModelRunner:
         return logits
 
 
-def num_logits(chunk: ChunkInput) -> int:
-    """Rows of logits a sampling chunk needs: its ``num_logits`` if it has one, else 1."""
-    return int(getattr(chunk, "num_logits", 1))
-
-
 def _take(rows: Logits, index: np.ndarray) -> Logits:
     """``rows[index]`` of either kind of array."""
     if isinstance(rows, np.ndarray):
         taken: np.ndarray = rows[index]
         return taken
     return rows[mx.array(index)]
+
+
+__all__ = [
+    "MAX_LANES",
+    "ROW_MULTIPLE",
+    "ChunkInput",
+    "Logits",
+    "ModelRunner",
+    "cpu_lanes",
+    "num_logits",
+    "padded_rows",
+    "round_up",
+]
