@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Coroutine, Iterable
-from contextlib import asynccontextmanager
 from typing import Any
 
-import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
 from batchd.config.limits import DEFAULT_REDIS_URL
 from batchd.producers.base import ClientBase, HandleBase, JobLike
-from batchd.producers.connection import (
-    async_read_layout,
-    async_redis_client,
-    async_reread_cluster,
-    is_cluster,
-)
+from batchd.producers.connection import async_read_layout, async_redis_client, is_cluster
 from batchd.producers.follow import COMMAND_ERRORS, Delivery, Follower, Pause, PlanDriver, issue
 from batchd.producers.keys import Keys, check_name
 from batchd.producers.result import JobResult, acollect
@@ -66,15 +59,6 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
     async def aclose(self) -> None:
         await self.redis.aclose()
 
-    @asynccontextmanager
-    async def _rereading(self) -> AsyncIterator[None]:
-        """See :meth:`batchd.producers.client.Client._rereading` (a pipeline's)."""
-        try:
-            yield
-        except redis.RedisError as exc:
-            await async_reread_cluster(self.redis, exc)
-            raise
-
     async def __aenter__(self) -> AsyncClient:
         return self
 
@@ -103,7 +87,7 @@ class AsyncClient(ClientBase[Coroutine[Any, Any, "AsyncJobHandle"]]):
         keys = await self.layout()
         call = self.plan_submit_many(jobs, queue, attach=idempotent)
         if call.checks_first:
-            async with self._rereading(), self.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in call.job_ids:
                     pipe.hmget(keys.job(job_id), call.checked)
                 self.check_not_submitted(call, await pipe.execute())
@@ -185,5 +169,4 @@ async def follow(connection: aioredis.Redis, follower: Follower) -> AsyncIterato
             try:
                 driver.answered(await issue(connection, step))
             except COMMAND_ERRORS as exc:
-                await async_reread_cluster(connection, exc)
                 driver.failed(exc)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -43,7 +42,9 @@ class Client(ClientBase["JobHandle"]):
     ``redis+cluster://`` for a Redis Cluster) or an existing ``redis.Redis`` or
     ``RedisCluster`` (its socket timeout
     must exceed ``block_ms``). See :class:`~batchd.producers.base.ClientBase` for the
-    other options.
+    other options. A URL's cluster client reads the slots again after a node is lost
+    (:mod:`batchd.producers.connection.factory`); a ``RedisCluster`` of your own keeps
+    redis-py's handling.
     """
 
     def __init__(self, redis_url: str | redis.Redis = DEFAULT_REDIS_URL, **options: Any) -> None:
@@ -67,18 +68,6 @@ class Client(ClientBase["JobHandle"]):
 
     def close(self) -> None:
         self.redis.close()
-
-    @contextmanager
-    def _rereading(self) -> Iterator[None]:
-        """Commands after which a cluster node found unreachable makes the client read
-        the cluster's slots again (:func:`reread_cluster`), so that a retry reaches the
-        replica promoted in its place: a pipeline's, or one sent to a node's own client
-        (the cluster client does it for its other commands)."""
-        try:
-            yield
-        except redis.RedisError as exc:
-            reread_cluster(self.redis, exc)
-            raise
 
     def __enter__(self) -> Client:
         return self
@@ -121,7 +110,7 @@ class Client(ClientBase["JobHandle"]):
         """
         call = self.plan_submit_many(jobs, queue, attach=idempotent)
         if call.checks_first:
-            with self._rereading(), self.redis.pipeline(transaction=False) as pipe:
+            with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in call.job_ids:
                     pipe.hmget(self.keys.job(job_id), call.checked)
                 self.check_not_submitted(call, pipe.execute())
@@ -137,8 +126,7 @@ class Client(ClientBase["JobHandle"]):
         One round trip on a single Redis; on a Cluster one per script, each on the
         primary of its partition's slot."""
         if self.cluster:
-            with self._rereading():
-                return replicated(self.redis, calls, self.replicas, self.replicas_timeout_ms)
+            return replicated(self.redis, calls, self.replicas, self.replicas_timeout_ms)
         if len(calls) == 1 and not self.replicas:
             script, keys, args = calls[0]
             return [script(keys=keys, args=args)], None
@@ -228,7 +216,10 @@ def _waited(
     cluster: redis.Redis, call: ScriptCall, replicas: int, timeout_ms: int
 ) -> tuple[Any, int]:
     """One script then WAIT on one primary's connection; sent again (the script is
-    idempotent by its submit token) when the slot moved under it."""
+    idempotent by its submit token) when the slot moved under it. The pipeline is the
+    node's own client's, past the cluster client's re-read of the slots after a node is
+    lost (:mod:`batchd.producers.connection.factory`): an unreachable node makes it read
+    them here (:func:`reread_cluster`)."""
     nodes: RedisCluster = cluster  # type: ignore[assignment]
     script, keys, args = call
     moved = 0
@@ -245,6 +236,9 @@ def _waited(
             if moved > MOVED_RETRIES:
                 raise
             nodes.nodes_manager.initialize()
+        except redis.RedisError as exc:
+            reread_cluster(nodes, exc)
+            raise
 
 
 def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
@@ -259,5 +253,4 @@ def follow(connection: redis.Redis, follower: Follower) -> Iterator[Delivery]:
             try:
                 driver.answered(issue(connection, step))
             except COMMAND_ERRORS as exc:
-                reread_cluster(connection, exc)
                 driver.failed(exc)

@@ -303,6 +303,14 @@ class Keys:
         """SCAN pattern of every owner's batch index."""
         return f"{_glob_escape(self.prefix)}:gateway:batches:*"
 
+    def gateway_wake(self, token: str, partition: int | None) -> str:
+        """The wake stream of the gateway reader ``token`` (batchd.producers.gateway.serving
+        .hub) for partition ``partition``: in its hash slot, as a Cluster's blocked read
+        reaches the keys of one slot; ``None``: untagged, one read following every
+        partition."""
+        head = f"{self.prefix}:" if partition is None else self._heads[partition]
+        return f"{head}gateway:wake:{token}"
+
     # A bulk worker's liveness (batchd.producers.bulk_liveness), on rq's Redis.
 
     def bulk_worker(self, name: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import redis
@@ -16,7 +15,6 @@ from redis.retry import Retry
 
 from batchd.config.settings import Settings
 from batchd.producers.connection import is_cluster, redis_client
-from batchd.producers.connection.factory import reread_cluster
 from batchd.producers.connection.layout import LayoutClaim
 from batchd.producers.keys import Keys
 
@@ -143,8 +141,9 @@ class Backoff:
     Logs once when Redis goes away and once when it is back, with the outage
     length. ``up_since`` is when Redis last became reachable (claiming jobs
     of others waits a heartbeat TTL after that, so live daemons can refresh
-    their heartbeats first). ``on_failure`` runs after each failed attempt
-    (:meth:`following`).
+    their heartbeats first). A Redis Cluster's new slot map needs nothing of it: the
+    client reads the slots again itself after a node is lost
+    (:mod:`batchd.producers.connection.factory`).
     """
 
     def __init__(
@@ -153,12 +152,10 @@ class Backoff:
         cap_s: float,
         base_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
-        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.cap_s = cap_s
         self.base_s = base_s
         self.clock = clock
-        self.on_failure = on_failure
         self.failures = 0
         # Since start, for the metrics: failed attempts, and outages that ended.
         self.errors_total = 0
@@ -166,18 +163,6 @@ class Backoff:
         self.down_since: float | None = None
         self.next_try = 0.0
         self.up_since = clock()
-
-    @classmethod
-    def following(cls, client: redis.Redis, *, cap_s: float) -> Backoff:
-        """A backoff for the attempts of ``client``: on a Redis Cluster each unreachable
-        node makes it read the cluster's layout again. redis-py does so itself for a
-        command it sends to a node that fails, but not where the node it asks for a
-        command's keys (XREADGROUP's, XREAD's: COMMAND GETKEYS) or the primaries it sends
-        a SCAN or SCRIPT LOAD to are gone: without this a failed-over primary would stay
-        in its view for good."""
-        if not is_cluster(client):
-            return cls(cap_s=cap_s)
-        return cls(cap_s=cap_s, on_failure=partial(reread_cluster, client))
 
     @property
     def down(self) -> bool:
@@ -197,8 +182,6 @@ class Backoff:
         self.failures += 1
         self.errors_total += 1
         self.next_try = now + wait
-        if self.on_failure is not None:
-            self.on_failure(exc)
         if self.down_since is None:
             self.down_since = now
             log.warning(

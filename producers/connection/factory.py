@@ -28,12 +28,13 @@ import redis
 import redis.asyncio as aioredis
 from redis._parsers.commands import AsyncCommandsParser, CommandsParser
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
 from redis.asyncio.sentinel import SentinelManagedSSLConnection as AsyncSentinelSSLConnection
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.sentinel import (
     Sentinel,
@@ -168,6 +169,12 @@ async def async_reread_cluster(client: object, exc: BaseException) -> None:
             await client.nodes_manager.initialize()
 
 
+def _node_down(replies: list[Any]) -> BaseException | None:
+    """The first of a pipeline's replies (run with ``raise_on_error=False``: errors are
+    replies) that says a node could not be reached; None when none does."""
+    return next((reply for reply in replies if isinstance(reply, _NODE_DOWN)), None)
+
+
 def known_keys(args: tuple[Any, ...]) -> list[Any] | None:
     """The keys of a script call (EVAL, EVALSHA) or a stream read (XREAD, XREADGROUP:
     the first half of what follows STREAMS), or None for any other command. redis-py's
@@ -208,11 +215,49 @@ class _AsyncStreamKeysParser(AsyncCommandsParser):
         return known_keys(args) or await super().get_keys(*args)
 
 
+class _RereadingPipeline(ClusterPipeline):
+    """redis-py's cluster pipeline, reading the slots again (:func:`reread_cluster`) after
+    a node could not be reached, whether the error is raised or returned as a reply: it
+    writes to the nodes' connections itself, past the client's ``execute_command``, and
+    redis-py's own refresh misses a node it asks for a command's keys (COMMAND GETKEYS,
+    its default node): killed, that node failed every later pipeline.
+    :meth:`_RereadingCluster.pipeline` hands it out."""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            replies: list[Any] = super().execute(raise_on_error)
+        except _NODE_DOWN as exc:
+            reread_cluster(self, exc)
+            raise
+        if (down := _node_down(replies)) is not None:
+            reread_cluster(self, down)
+        return replies
+
+
+class _AsyncRereadingPipeline(AsyncClusterPipeline):
+    """Asyncio twin of :class:`_RereadingPipeline` (it reads through the client it was
+    made from)."""
+
+    __slots__ = ()
+
+    async def execute(
+        self, raise_on_error: bool = True, allow_redirections: bool = True
+    ) -> list[Any]:
+        try:
+            replies: list[Any] = await super().execute(raise_on_error, allow_redirections)
+        except _NODE_DOWN as exc:
+            await async_reread_cluster(self.cluster_client, exc)
+            raise
+        if (down := _node_down(replies)) is not None:
+            await async_reread_cluster(self.cluster_client, down)
+        return replies
+
+
 class _RereadingCluster(RedisCluster):
-    """redis-py's cluster client, reading the slots again after a command found a node
-    unreachable (:func:`reread_cluster`), so the next command reaches the replica
-    promoted in a killed primary's place (a pipeline's caller does it itself), and
-    finding scripts' and stream reads' keys without asking a server (:func:`known_keys`)."""
+    """redis-py's cluster client, reading the slots again after a command or a pipeline
+    found a node unreachable (:func:`reread_cluster`), so the next command reaches the
+    replica promoted in a killed primary's place, and finding scripts' and stream reads'
+    keys without asking a server (:func:`known_keys`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -225,6 +270,13 @@ class _RereadingCluster(RedisCluster):
         except _NODE_DOWN as exc:
             reread_cluster(self, exc)
             raise
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        """redis-py's pipeline (it builds a ClusterPipeline by name), as a
+        :class:`_RereadingPipeline`: the subclass adds a method, no state."""
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.__class__ = _RereadingPipeline
+        return pipe
 
 
 class _AsyncRereadingCluster(AsyncRedisCluster):
@@ -240,6 +292,13 @@ class _AsyncRereadingCluster(AsyncRedisCluster):
         except _NODE_DOWN as exc:
             await async_reread_cluster(self, exc)
             raise
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> AsyncClusterPipeline:
+        """See :meth:`_RereadingCluster.pipeline`."""
+        pipe = super().pipeline(transaction, shard_hint)
+        # redis-py's typing leaves its asyncio ClusterPipeline abstract (_event_dispatcher).
+        pipe.__class__ = _AsyncRereadingPipeline  # type: ignore[type-abstract]
+        return pipe
 
 
 def redis_client(url: str, **options: Any) -> redis.Redis:

@@ -35,7 +35,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from batchd.producers.connection import async_reread_cluster, is_cluster
+from batchd.producers.connection import is_cluster
 from batchd.producers.errors import JobNotFound, ProtocolError
 from batchd.producers.follow import RECONNECT_ERRORS, EventCursor, read_reply
 from batchd.producers.gateway.fleet import KeysSource, keys_from
@@ -103,8 +103,10 @@ class Lane:
 
 
 class Hub:
-    """Follows jobs for many requests over ``conn`` (a client of its own: it blocks);
-    wakes go through ``pooled``. Run :meth:`run` as a task while the gateway serves.
+    """Follows jobs for many requests over ``conn`` (a client of its own: it blocks; on a
+    Cluster the connection factory's, which reads the slots again after a node is lost:
+    :mod:`batchd.producers.connection.factory`); wakes go through ``pooled``. Run
+    :meth:`run` as a task while the gateway serves.
     ``layout``: the key names, or a coroutine function giving them (called once)."""
 
     def __init__(
@@ -149,11 +151,10 @@ class Hub:
             self.keys = await keys_from(self._layout)
         keys = self.keys
         if not self._lanes:
-            if is_cluster(self.conn):
-                heads = [keys.head(k) for k in range(keys.partitions)]
-            else:
-                heads = [f"{keys.prefix}:"]
-            self._lanes = [Lane(f"{head}gateway:wake:{self._token}") for head in heads]
+            partitions: list[int | None] = [None]  # one lane, untagged
+            if is_cluster(self.conn):  # a lane per partition, in its hash slot
+                partitions = [*range(keys.partitions)]
+            self._lanes = [Lane(keys.gateway_wake(self._token, k)) for k in partitions]
             self._ready.set()
         lane = self._lanes[keys.partition(job_id) if len(self._lanes) > 1 else 0]
         return keys, lane
@@ -217,7 +218,6 @@ class Hub:
                 if self._stopping:  # a cancelled read can end as a timeout
                     return
                 attempt += 1
-                await async_reread_cluster(self.conn, exc)
                 await asyncio.sleep(self._outage(lane, exc, attempt))
                 continue
             except redis.ResponseError as exc:
