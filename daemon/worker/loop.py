@@ -85,7 +85,7 @@ class Worker:
             on_started=self.ops.started,
             on_finished=self._finished,
         )
-        self.backoff = Backoff.following(self.redis, cap_s=opts.redis_retry_max_s)
+        self.backoff = Backoff(cap_s=opts.redis_retry_max_s)
         self.cadence = PublishCadence(
             Publisher(self.redis, self.keys, owner=consumer, result_ttl_s=settings.result_ttl_s),
             self.backoff,
@@ -98,7 +98,7 @@ class Worker:
         self.inbox = Inbox(
             self.member, settings, encode=generator.encode, held=self.held, backoff=self.backoff
         )
-        self.cancels = Cancellations(self.keys, self.redis)
+        self.cancels = Cancellations(self.keys, self.redis, held=self.held)
         self.controls = ControlWatch(connect(settings), self.keys.control(consumer))
         self.heartbeat = daemon_heartbeat(
             settings, self.controls, consumer, generator.max_model_len, self.layout
