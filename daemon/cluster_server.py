@@ -29,7 +29,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
-from batchd.daemon.redis_server import RedisServer, free_port
+from batchd.daemon.redis_server import RedisServer
 
 # Replicas sync at once (Redis waits 5 s by default for more replicas to share a transfer).
 SYNC_AT_ONCE = ["--repl-diskless-sync-delay", "0"]
@@ -81,7 +81,6 @@ class ClusterDeployment:
 
     @staticmethod
     def _node(directory: Path, node_timeout_ms: int, extra_args: Sequence[str]) -> RedisServer:
-        # The bus port is chosen too: the default, port + 10000, may be taken or past 65535.
         args = [
             "--cluster-enabled",
             "yes",
@@ -89,8 +88,6 @@ class ClusterDeployment:
             "nodes.conf",  # in the node's --dir
             "--cluster-node-timeout",
             str(node_timeout_ms),
-            "--cluster-port",
-            str(free_port()),
             # A replica long cut from its primary may still be promoted: the test
             # deployment prefers availability to the freshest data.
             "--cluster-replica-validity-factor",
@@ -98,7 +95,7 @@ class ClusterDeployment:
             *SYNC_AT_ONCE,
             *extra_args,
         ]
-        return RedisServer(directory, appendonly=True, extra_args=args)
+        return RedisServer(directory, appendonly=True, extra_args=args, cluster_bus=True)
 
     def _create(self, replicas_per_primary: int) -> None:
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]

@@ -16,6 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+PORT_TRIES = 5
+
+
+class PortTaken(RuntimeError):
+    """redis-server could not listen on a port chosen free: something took it since."""
 
 
 def free_port() -> int:
@@ -35,8 +43,15 @@ class RedisServer:
     """
 
     def __init__(
-        self, directory: Path, *, appendonly: bool = False, extra_args: Sequence[str] = ()
+        self,
+        directory: Path,
+        *,
+        appendonly: bool = False,
+        extra_args: Sequence[str] = (),
+        cluster_bus: bool = False,
     ) -> None:
+        """``cluster_bus``: a Redis Cluster node, whose bus port is chosen free too (the
+        default, port + 10000, may be taken or past 65535)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -49,7 +64,10 @@ class RedisServer:
         # More redis-server options (TLS, ACL files), after the defaults so they win.
         self.extra_args = list(extra_args)
         self.port = free_port()
+        self.bus_port = free_port() if cluster_bus else None
         self.proc: subprocess.Popen[bytes] | None = None
+        # Once it has run, its ports are part of what it is (a restart, a cluster's map).
+        self._ran = False
 
     @property
     def url(self) -> str:
@@ -64,8 +82,28 @@ class RedisServer:
 
     def start(self, *, timeout_s: float = 10.0) -> RedisServer:
         """Start the process and wait until it answers PING; raises RuntimeError with
-        the end of its log if it exits or does not answer within ``timeout_s``."""
+        the end of its log if it exits or does not answer within ``timeout_s``. At its
+        first start a port taken since it was chosen (a free port is only free when
+        asked) is chosen again, up to :data:`PORT_TRIES` times."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._launch(timeout_s)
+                break
+            except PortTaken:
+                if self._ran or attempt == PORT_TRIES:
+                    raise
+                self.log_path.unlink(missing_ok=True)  # the next attempt's log only
+                self.port = free_port()
+                if self.bus_port is not None:
+                    self.bus_port = free_port()
+                    # The node's cluster config of the failed attempt names its old ports.
+                    (self.directory / "nodes.conf").unlink(missing_ok=True)
+        self._ran = True
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
+        bus = [] if self.bus_port is None else ["--cluster-port", str(self.bus_port)]
         args = [
             self.binary,
             "--port",
@@ -82,19 +120,27 @@ class RedisServer:
             "always" if self.appendonly else "everysec",
             "--logfile",
             str(self.log_path),
+            *bus,
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self._wait_ready(timeout_s)
-        except RuntimeError:
+        except RuntimeError as exc:
             self.kill()
+            if "Address already in use" in str(exc):
+                raise PortTaken(str(exc)) from None
             raise
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        # No retry of its own and a read timeout: what answers may be another listener.
+        client = redis.Redis(
+            port=self.port,
+            socket_connect_timeout=0.2,
+            socket_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+        )
         try:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
@@ -102,7 +148,7 @@ class RedisServer:
                 try:
                     if client.ping():
                         return
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):
                     time.sleep(0.02)
         finally:
             client.close()
