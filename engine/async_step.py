@@ -49,6 +49,7 @@ from batchd.engine.outputs import RequestOutput, StepStats
 from batchd.engine.request_state import RequestState
 from batchd.engine.sampler import SampleRow
 from batchd.engine.sampling import device
+from batchd.engine.sampling.rows import may_speculate
 from batchd.engine.sampling.samplers import DEVICE
 from batchd.engine.scheduling.schedule import SchedulerOutput
 from batchd.engine.scheduling.scheduler import Scheduler
@@ -153,8 +154,7 @@ class AsyncSteps:
                 return False
             if c.seq.seq_id in eng._prompt_logprobs:
                 return False
-            speculative = params.speculative
-            if speculative or (speculative is None and eng.config.speculative != "off"):
+            if may_speculate(state, eng.config.speculative):
                 return False
         return True
 
