@@ -63,12 +63,13 @@ def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
         redis_url, prefix=options.prefix, queue=options.queue, limits=options.limits
     )
     sync = redis_client(redis_url, socket_connect_timeout=5, socket_timeout=10)
-    # Every page names jobs and queues: the deployment's layout is read once, now.
+    # Every page names jobs and queues: the deployment's layout, read now and, until a
+    # daemon has stored it, again at each refresh (fleet.sampler).
     keys, stored = read_layout(sync, options.prefix)
     if not stored:
         log.warning(
             "no daemon has stored the key layout (%s) yet: the dashboard uses one partition's "
-            "names until it is restarted after the first daemon started",
+            "names until one does, and reads it again at each refresh",
             keys.layout,
         )
     audit = Audit(client.redis, keys)
@@ -83,11 +84,11 @@ def create_app(redis_url: str, options: DashboardOptions) -> Starlette:
         sync,
         history_points=options.history_points,
         refresh_s=options.refresh_s,
+        layout_stored=stored,
     )
     env = environment()
     dash = Dashboard(
         options=options,
-        keys=keys,
         client=client,
         sync=sync,
         env=env,

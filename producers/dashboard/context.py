@@ -34,13 +34,17 @@ PAGES: tuple[tuple[str, str, str], ...] = (
 @dataclass
 class Dashboard:
     options: DashboardOptions
-    keys: Keys
     client: AsyncClient
     sync: redis.Redis
     env: jinja2.Environment
     auth: OperatorAuth
     audit: Audit
     sampler: Sampler
+
+    @property
+    def keys(self) -> Keys:
+        """The deployment's key names: the sampler's, which follows the stored layout."""
+        return self.sampler.prober.keys
 
     @property
     def redis(self) -> aioredis.Redis:

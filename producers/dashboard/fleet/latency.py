@@ -116,9 +116,10 @@ class LatencyCollector:
         """Listen until cancelled; a lost connection is logged and subscribed again."""
         while True:
             pubsub: Any = client.pubsub(ignore_subscribe_messages=True)
+            pattern = self.keys.tokens_pattern
             try:
-                await pubsub.psubscribe(self.keys.tokens_pattern)
-                while True:
+                await pubsub.psubscribe(pattern)
+                while pattern == self.keys.tokens_pattern:  # a new layout: subscribe anew
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self.take(message["channel"], message["data"])

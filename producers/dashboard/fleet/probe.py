@@ -114,6 +114,14 @@ class Prober:
     known_gateways: set[str] = field(default_factory=set)
     discovered_at: float = float("-inf")
 
+    def forget(self) -> None:
+        """Drop what discovery found (the names changed: a new layout): the next probe
+        discovers again."""
+        self.known_queues.clear()
+        self.known_daemons.clear()
+        self.known_gateways.clear()
+        self.discovered_at = float("-inf")
+
     async def probe(self) -> Fleet:
         """The fleet now; runs discovery first when it is due."""
         started = time.perf_counter()

@@ -5,6 +5,11 @@ tick, adds a sample to the charts' history, and wakes every open overview stream
 cost of a refresh does not grow with the number of browsers watching: they all get the
 same tick, rendered once per kind of viewer (``dashboard.overview``). Bulk workers are
 read from rq less often (every ``WORKERS_EVERY_S``), on a thread.
+
+Until a daemon has stored the deployment's key layout
+(:mod:`batchd.producers.connection.layout`), each tick reads it again: a dashboard
+started before the first daemon of a partitioned deployment switches to its names at
+the first tick after that daemon started, with no restart.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import redis
 
+from batchd.producers.connection import async_read_layout
 from batchd.producers.dashboard.fleet.history import History
 from batchd.producers.dashboard.fleet.latency import Finished, Latency, LatencyCollector
 from batchd.producers.dashboard.fleet.probe import Fleet, Prober, QueueRow
@@ -92,8 +98,10 @@ class Sampler:
         *,
         history_points: int,
         refresh_s: float,
+        layout_stored: bool = True,
     ) -> None:
         self.prober = prober
+        self.layout_stored = layout_stored
         self.collector = collector
         self.audit = audit
         self.sync = sync
@@ -113,6 +121,7 @@ class Sampler:
     async def tick(self) -> Overview:
         """Probe once, record the sample, and wake the streams."""
         started = time.perf_counter()
+        await self._follow_layout()
         fleet = await self.prober.probe()
         keys = self.prober.keys
         letters = await read_letters(self.prober.redis, keys, count=RECENT_LETTERS)
@@ -202,6 +211,23 @@ class Sampler:
         lettered = {letter.job_id for letter in letters}
         failed = [f for f in reversed(self.collector.failures) if f.job_id not in lettered]
         return failed[:RECENT_LETTERS]
+
+    async def _follow_layout(self) -> None:
+        """Read the stored layout while none was (see the module doc); once it is, the
+        prober and the latency collector use its names, and discovery runs again."""
+        if self.layout_stored:
+            return
+        current = self.prober.keys
+        keys, self.layout_stored = await async_read_layout(self.prober.redis, current.prefix)
+        if not self.layout_stored or keys == current:
+            return
+        log.info(
+            "the key layout is stored now: %d partition(s) per queue; the dashboard uses "
+            "its names from this refresh on",
+            keys.partitions,
+        )
+        self.prober.keys = self.collector.keys = keys
+        self.prober.forget()
 
     async def _refresh_workers(self) -> None:
         if time.monotonic() - self._workers_at < WORKERS_EVERY_S:
