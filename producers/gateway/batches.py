@@ -38,7 +38,7 @@ from batchd.producers.gateway.errors import APIError, invalid, not_found
 from batchd.producers.gateway.files import Files, expiry_seconds
 from batchd.producers.gateway.fleet import BulkWorkers, Fleet
 from batchd.producers.gateway.guard import Guard
-from batchd.producers.gateway.online import parse_body
+from batchd.producers.gateway.online import read_json
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.store import (
     BATCH_RECORD_TTL_S,
@@ -116,12 +116,15 @@ class Batches:
                 "gateway and its bulk workers",
                 code="batch_api_unavailable",
             )
-        body = parse_body(await self.guard.body(request))
+        body = await read_json(self.guard, request)
         unknown = sorted(set(body) - CREATE_FIELDS)
         if unknown:
             name = unknown[0]
             raise APIError(
-                400, f"unrecognized argument: {name}", param=name, code="unknown_parameter"
+                400,
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
             )
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:

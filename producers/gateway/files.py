@@ -1,14 +1,15 @@
 """The Files API: ``/v1/files``, in OpenAI's format, for batch input and output files.
 
-Upload (purpose ``batch`` only), retrieve, download and delete; a file is seen only
-with the key that made it (another key's, or an id that does not exist, is the same
-404). An upload is checked as it is stored: at most ``max_file_bytes`` (counted on the
-bytes received, chunked or not: the body is cut off past the file's limit and a little
-form, having buffered no more), :data:`MAX_BATCH_LINES` lines, and JSONL (some line is
-a JSON object); a file that is not is refused here, not after a batch has been queued
-on it. The file part is spooled to a temporary file, then copied in chunks. Each line is judged
-when the batch runs. Files expire (``expires_after``: ``created_at`` plus 1 hour to
-30 days; 30 days by default).
+Upload (purpose ``batch`` only, as ``multipart/form-data``), retrieve, download and
+delete (no listing: a 400 says so); a file is seen only with the key that made it
+(another key's, or an id that does not exist, is the same 404). An upload is checked as
+it is stored: at most ``max_file_bytes`` (counted on the bytes received, chunked or
+not: the body is cut off past the file's limit and a little form, having buffered no
+more), :data:`MAX_BATCH_LINES` lines, and JSONL (some line is a JSON object); a file
+that is not is refused here, not after a batch has been queued on it. The file part is
+spooled to a temporary file, then copied in chunks. Each line is judged when the batch
+runs. Files expire (``expires_after``: ``created_at`` plus 1 hour to 30 days; 30 days
+by default).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from batchd.producers.bulk_files import FilesDir
-from batchd.producers.gateway.errors import invalid, not_found
+from batchd.producers.gateway.errors import APIError, invalid, not_found
 from batchd.producers.gateway.guard import Guard, too_large
 from batchd.producers.gateway.store import (
     DEFAULT_EXPIRY_S,
@@ -152,6 +153,7 @@ class Files:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files", self.listing, methods=["GET"]),
             Route("/v1/files/{file_id}", self.retrieve, methods=["GET"]),
             Route("/v1/files/{file_id}", self.delete, methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
@@ -159,6 +161,14 @@ class Files:
 
     async def upload(self, request: Request) -> Response:
         owner = self.guard.owner(request)
+        declared = request.headers.get("content-type", "")
+        if declared.split(";", 1)[0].strip().lower() != "multipart/form-data":
+            raise APIError(
+                400,
+                f"Invalid Content-Type header ({declared or 'none'}), expected "
+                "multipart/form-data (a form with the file and its purpose)",
+                code="unsupported_content_type",
+            )
         # The whole body is counted as it arrives: the file part and a little form.
         body_limit = self.max_file_bytes + FORM_ALLOWANCE
         limited = self.guard.limited(request, body_limit, param="file")
@@ -187,6 +197,17 @@ class Files:
         await self.redis.expireat(key, created + lifetime)
         await self.redis.zadd(expiring(self.keys), {file_name(file_id): created + lifetime})
         return JSONResponse(record)
+
+    async def listing(self, request: Request) -> Response:
+        """Files keep no per-key index: listing them is refused, as a 400 that says so (a
+        405 would read as a client bug); a batch names its files."""
+        self.guard.owner(request)
+        raise APIError(
+            400,
+            "listing files is not supported by batchd: keep the ids uploads return (a "
+            "batch's record names its input, output and error files)",
+            code="unsupported_endpoint",
+        )
 
     async def record(self, file_id: str, owner: str, *, param: str = "file_id") -> dict[str, Any]:
         """The file record; 404 when it does not exist, has expired or is another key's."""

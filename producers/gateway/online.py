@@ -141,7 +141,7 @@ class Online:
         self, request: Request, kind: str, mapper: Callable[[dict[str, object]], Mapped]
     ) -> Response:
         self.guard.owner(request)  # 401 before a byte of the body is read
-        body = parse_body(await self.guard.body(request))
+        body = await read_json(self.guard, request)
         job = await self.submit(request, lambda: mapper(body))
         mapped = job.mapped
         shaper = Shaper(
@@ -152,6 +152,7 @@ class Online:
             tools=mapped.tools,
             top_logprobs=mapped.top_logprobs,
             echo=mapped.echo,
+            include_usage=mapped.include_usage,
         )
         route = request.url.path
         if job.mapped.stream:
@@ -261,6 +262,28 @@ async def follow_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[
         yield event
         if event is not None and event.final:
             return
+
+
+async def read_json(guard: Guard, request: Request) -> dict[str, object]:
+    """A JSON request's body as an object: refused (400, as OpenAI) when it is sent as
+    another media type (``curl -d`` sends a form) or is no JSON object."""
+    declared = request.headers.get("content-type")
+    if declared is not None and not _is_json(declared):
+        raise APIError(
+            400,
+            f"Unsupported content type: {declared!r}. This API method only accepts "
+            "'application/json' requests.",
+            code="unsupported_content_type",
+        )
+    return parse_body(await guard.body(request))
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type, parameters (a charset) allowed."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 def parse_body(raw: bytes) -> dict[str, object]:

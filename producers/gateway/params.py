@@ -47,9 +47,12 @@ RANGES: dict[str, tuple[float, float]] = {
     "max_tokens": (1, 2**31 - 1),
     "max_completion_tokens": (1, 2**31 - 1),
     "top_logprobs": (0, 20),
+    "seed": (-(2**63), 2**63 - 1),  # an int64; a negative one is folded (:func:`fold_seed`)
 }
 INTEGERS = {"n", "seed", "max_tokens", "max_completion_tokens", "top_logprobs"}
 COMPLETIONS_MAX_LOGPROBS = 5
+# OpenAI's bound on stop sequences (a job from batchd's own producers may carry more).
+MAX_STOP = 4
 
 # Keys whose neutral value is accepted; anything else is refused (engine lacks it).
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -59,10 +62,24 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none"),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "user": lambda v: True,  # an end-user id for abuse tracking: no effect on output
     "metadata": lambda v: v is None or isinstance(v, dict),  # tags: kept on the job
 }
+# Chat-only OpenAI parameters: accepted at their neutral value, else refused as unsupported
+# (never as unknown: OpenAI documents them).
+CHAT_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "safety_identifier": lambda v: v is None or isinstance(v, str),  # abuse tracking
+    "prompt_cache_key": lambda v: v is None or isinstance(v, str),  # the prefix cache needs none
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "verbosity": lambda v: v is None,
+}
 WHY_REFUSED = {
+    "safety_identifier": "must be a string",
+    "prompt_cache_key": "must be a string",
+    "modalities": 'supports only ["text"]',
     "best_of": "greater than 1 is not supported yet",
     "functions": "(deprecated) is not supported: use tools",
     "function_call": "(deprecated) is not supported: use tool_choice",
@@ -82,6 +99,8 @@ EXTRAS = (
     "sampling_order",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "stop_token_ids",
+    "ignore_eos",
 )
 
 
@@ -109,6 +128,13 @@ def chat_request(body: dict[str, Any]) -> Mapped:
     check_ranges(body)
     max_tokens = body.pop("max_completion_tokens", None)
     legacy = body.pop("max_tokens", None)
+    if max_tokens is not None and legacy is not None:
+        raise APIError(
+            400,
+            "Setting 'max_tokens' and 'max_completion_tokens' at the same time is not supported.",
+            param="max_tokens",
+            code="invalid_parameter_combination",
+        )
     max_tokens = legacy if max_tokens is None else max_tokens
     logprobs = body.pop("logprobs", None)
     if logprobs not in (None, True, False):
@@ -117,6 +143,9 @@ def chat_request(body: dict[str, Any]) -> Mapped:
     if top and not logprobs:
         raise invalid("top_logprobs", "requires logprobs: true")
     functions, use = chat_tools(body)
+    for name, neutral in CHAT_NEUTRAL.items():
+        if name in body and not neutral(body.pop(name)):
+            raise unsupported(name, WHY_REFUSED.get(name, "is not supported by batchd yet"))
     mapped = _common(body, job, max_tokens=max_tokens, logprobs=bool(logprobs), top=top or 0)
     if use is None or use.mode == "none":
         return mapped
@@ -179,9 +208,10 @@ def _out_of_range(name: str, value: Any, *, above: bool, bound: float) -> APIErr
     gateway's code for a bad value."""
     kind = "integer" if isinstance(value, int) else "decimal"
     side, word, op = ("above", "maximum", "<=") if above else ("below", "minimum", ">=")
+    shown = bound if isinstance(bound, int) else f"{bound:g}"
     return APIError(
         400,
-        f"Invalid '{name}': {kind} {side} {word} value. Expected a value {op} {bound:g}, "
+        f"Invalid '{name}': {kind} {side} {word} value. Expected a value {op} {shown}, "
         f"but got {value} instead.",
         param=name,
         code="invalid_value",
@@ -208,7 +238,9 @@ def completion_request(body: dict[str, Any]) -> Mapped:
     """``POST /v1/completions`` body -> job fields; raises APIError (400)."""
     job = _prompt(body.pop("prompt", None))
     check_ranges(body)
-    max_tokens = body.pop("max_tokens", COMPLETIONS_MAX_TOKENS)
+    max_tokens = body.pop("max_tokens", None)
+    if max_tokens is None:  # absent or null: OpenAI's default for completions
+        max_tokens = COMPLETIONS_MAX_TOKENS
     logprobs = body.pop("logprobs", None)
     if logprobs is not None and (
         isinstance(logprobs, bool)
@@ -251,9 +283,10 @@ def _common(
     response_format = _response_format(body.pop("response_format", None))
     if response_format is not None:
         job["response_format"] = response_format
-    stop = body.pop("stop", None)
-    if stop is not None:
-        job["stop"] = [stop] if isinstance(stop, str) else stop
+    job.update(_stop(body.pop("stop", None)))
+    user = body.pop("user", None)
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", f"must be a string, got {user!r}")
     refuse_the_rest(body)
     metadata = body.get("metadata")
     if isinstance(metadata, dict):
@@ -278,7 +311,26 @@ def sampling(body: dict[str, Any]) -> dict[str, Any]:
     if job.get("top_p") == 0:  # only the likeliest token: greedy
         del job["top_p"]
         job["temperature"] = 0.0
+    seed = job.get("seed")
+    if isinstance(seed, int) and seed < 0:
+        job["seed"] = fold_seed(seed)
     return job
+
+
+def fold_seed(seed: int) -> int:
+    """An OpenAI seed (an int64) as a job's (0 to 2**63 - 1): a negative one folded into
+    the range, so it samples reproducibly as any other seed does."""
+    return seed % 2**63
+
+
+def _stop(stop: Any) -> dict[str, list[Any]]:
+    """OpenAI's ``stop``: a string or a list of up to :data:`MAX_STOP` strings (each one
+    checked by the job's validation)."""
+    if stop is None:
+        return {}
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise invalid("stop", f"takes up to {MAX_STOP} sequences, got {len(stop)}")
+    return {"stop": [stop] if isinstance(stop, str) else stop}
 
 
 def refuse_the_rest(body: dict[str, Any], neutral: dict[str, Any] = NEUTRAL) -> None:
@@ -290,7 +342,10 @@ def refuse_the_rest(body: dict[str, Any], neutral: dict[str, Any] = NEUTRAL) -> 
         if name in neutral:
             raise unsupported(name, WHY_REFUSED.get(name, "is not supported by batchd yet"))
         raise APIError(
-            400, f"unrecognized request argument: {name}", param=name, code="unknown_parameter"
+            400,
+            f"Unrecognized request argument supplied: {name}",
+            param=name,
+            code="unknown_parameter",
         )
 
 
@@ -339,7 +394,10 @@ def _stream_options(options: Any, *, stream: bool) -> bool:
         raise invalid("stream_options", "only allowed when stream is true")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise unsupported("stream_options", "supports only include_usage")
-    return bool(options.get("include_usage"))
+    include = options.get("include_usage")
+    if include not in (None, True, False):
+        raise invalid("stream_options.include_usage", "must be a boolean")
+    return bool(include)
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:

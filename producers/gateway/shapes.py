@@ -117,6 +117,7 @@ class Shaper:
         tools: ToolUse | None = None,
         top_logprobs: int = 0,
         echo: str | None = None,
+        include_usage: bool = False,
     ) -> None:
         self.kind = kind
         self.job_id = job_id
@@ -126,19 +127,26 @@ class Shaper:
         self.tools = tools
         self.top_logprobs = top_logprobs
         self.echo = echo
+        self.include_usage = include_usage
         self.offsets: dict[int, int] = {}  # streamed: each choice's text offset so far
         self.created = int(time.time())
         self.started: set[int] = set()  # choices whose first chunk went out
         self.gates: dict[int, ContentGate] = {}  # with tools: each choice's text
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+        """The fields every object and chunk shares; streamed with
+        ``stream_options.include_usage``, each chunk's ``usage`` is null but the last's
+        (OpenAI's: :meth:`usage_chunk`)."""
+        out = {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
             "choices": choices,
         }
+        if self.include_usage:
+            out["usage"] = None
+        return out
 
     def _logprobs(
         self, tokens: list[Event], *, index: int = 0, prompt: Event | None = None
@@ -201,11 +209,11 @@ class Shaper:
             if self.kind == CHAT and self.tools is not None:
                 content, calls = parse_calls(text, self.tools)
                 choice["finish_reason"] = finish_with_calls(reason, calls)
-                choice["message"] = {"role": "assistant", "content": content}
+                choice["message"] = {"role": "assistant", "content": content, "refusal": None}
                 if calls:
                     choice["message"]["tool_calls"] = tool_calls(self.job_id, index, calls)
             elif self.kind == CHAT:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
             else:
                 choice["text"] = text
             self.offsets.pop(index, None)
@@ -275,7 +283,9 @@ class Shaper:
     def _choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": reason}
         if self.kind == CHAT:
-            delta: dict[str, Any] = {"content": text} if text or index in self.started else {}
+            # A token's delta has content (maybe empty: text held back); the last one's is
+            # empty, as OpenAI's.
+            delta: dict[str, Any] = {"content": text} if text or reason is None else {}
             if index not in self.started:
                 delta = {"role": "assistant", "content": text}
             choice["delta"] = delta

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from batchd.producers.gateway.errors import APIError, invalid, unsupported
-from batchd.producers.gateway.online import Online, parse_body
+from batchd.producers.gateway.online import Online, read_json
 from batchd.producers.gateway.params import EXTRAS, Mapped, chat_request
 from batchd.producers.gateway.responses.shapes import ResponseShaper, stream_events
 from batchd.producers.gateway.stream import EventStream
@@ -47,10 +47,11 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": lambda v: v in (None, 0),
     "reasoning": lambda v: v is None,
     "max_tool_calls": lambda v: v is None,
-    "safety_identifier": lambda v: True,
-    "prompt_cache_key": lambda v: True,  # batchd's prefix cache needs no key
+    "safety_identifier": lambda v: v is None or isinstance(v, str),
+    # batchd's prefix cache needs no key
+    "prompt_cache_key": lambda v: v is None or isinstance(v, str),
     "stream_options": lambda v: v is None or set(v) <= {"include_obfuscation"},
-    "user": lambda v: True,
+    "user": lambda v: v is None or isinstance(v, str),
 }
 WHY = {
     "store": "is not supported: batchd keeps no responses (send false or leave it out)",
@@ -59,6 +60,9 @@ WHY = {
     "conversation": "is not supported: batchd keeps no conversations",
     "background": "is not supported",
     "include": "is not supported",
+    "safety_identifier": "must be a string",
+    "prompt_cache_key": "must be a string",
+    "user": "must be a string",
 }
 # Chat parameter -> what the Responses API calls it, for refusals.
 PARAM_NAMES = {
@@ -76,7 +80,7 @@ class Responses:
 
     async def create(self, request: Request) -> Response:
         self.online.guard.owner(request)  # 401 before a byte of the body is read
-        body = parse_body(await self.online.guard.body(request))
+        body = await read_json(self.online.guard, request)
         echo = echoed(body)
         job = await self.online.submit(request, lambda: mapped(body))
         shaper = ResponseShaper(job.handle.id, job.model, echo, tools=job.mapped.tools)
@@ -186,7 +190,10 @@ def _refuse_the_rest(body: dict[str, Any]) -> None:
         if name in NEUTRAL or name in WHY:
             raise unsupported(name, WHY.get(name, "is not supported by batchd"))
         raise APIError(
-            400, f"unrecognized request argument: {name}", param=name, code="unknown_parameter"
+            400,
+            f"Unrecognized request argument supplied: {name}",
+            param=name,
+            code="unknown_parameter",
         )
 
 

@@ -195,3 +195,17 @@ def test_a_cancel_never_overwrites_an_end_the_run_wrote_after_its_read(gateway: 
         stored = orjson.loads(conn.hget(key, "status"))
         assert stored == (status if kept else "cancelling")
     conn.delete(key)
+
+
+def test_the_files_api_refuses_what_it_cannot_do_in_openais_shape(
+    gateway: Any, oai: openai.OpenAI
+) -> None:
+    """An upload must be a form (a JSON body is refused for its content type, not for a
+    missing purpose), and listing files is a 400 that says it is not supported."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.post("/files", body={"purpose": "batch"}, cast_to=object)
+    assert caught.value.code == "unsupported_content_type"
+    assert "multipart/form-data" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.files.list()
+    assert caught.value.code == "unsupported_endpoint" and "listing files" in caught.value.message

@@ -9,15 +9,27 @@ same daemon.
 - A job with ``response_format`` and ``logprobs`` publishes only finite numbers, so
   ``Client.result()`` and the gateway read it.
 - Lenient JSON-schema keywords: refused clearly unless ``lenient``.
+- OpenAI's shapes on the wire (read with httpx, not through the SDK's lenient models):
+  every stream chunk of one request shares its id, created and model; with
+  ``stream_options.include_usage`` every chunk carries ``usage: null`` but the last,
+  whose choices are empty; the last delta is empty; usage counts the tokenized prompt
+  and every generated token, streamed or not.
+- OpenAI's refusals: ``max_tokens`` with ``max_completion_tokens``, more than 4 stop
+  sequences, a seed outside int64, a non-string ``user``, a body sent as another
+  content type; a negative seed (an int64 may be) samples reproducibly.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import orjson
 import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from batchd.producers.client import Client
 from batchd.producers.errors import ValidationError
@@ -193,3 +205,187 @@ def test_lenient_schema_keywords_are_an_opt_in(gateway: Any, oai: openai.OpenAI)
         response_format={**strict, "lenient": True},  # type: ignore[typeddict-unknown-key]
     )
     assert (reply.choices[0].message.content or "").startswith("[")
+
+
+def _sse(gateway: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The data lines of a streamed request, read raw; the last must be ``[DONE]``."""
+    headers = {"Authorization": f"Bearer {gateway.options.api_keys[0]}"}
+    with httpx.stream(
+        "POST", f"{gateway.base_url}{path}", json=body, headers=headers, timeout=60
+    ) as reply:
+        assert reply.status_code == 200
+        lines = [line[len("data: ") :] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [orjson.loads(line) for line in lines[:-1]]
+
+
+def test_streams_are_openai_shaped_and_usage_counts_every_token(
+    gateway: Any, oai: openai.OpenAI, tiny_model: Path
+) -> None:
+    tokenizer = load_tokenizer(tiny_model)
+    chat_prompt = len(tokenizer.apply_chat_template(HELLO, add_generation_prompt=True))
+    text_prompt = len(tokenizer.encode(PROMPT))
+    body = {"model": MODEL, "max_tokens": 6, "seed": 4, "logprobs": True, "n": 2}
+    chat = {**body, "messages": HELLO, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = _sse(gateway, "/chat/completions", chat)
+    *tokens, usage = chunks
+    assert {(c["id"], c["created"], c["model"]) for c in chunks} == {
+        (chunks[0]["id"], chunks[0]["created"], chunks[0]["model"])
+    }
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all("usage" in c and c["usage"] is None for c in tokens)  # present, and null
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == chat_prompt
+    firsts = {}
+    for chunk in tokens:
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], choice["delta"])
+    assert [d.get("role") for d in firsts.values()] == ["assistant", "assistant"]
+    ends = [ch for ch in tokens[-1]["choices"]]
+    assert [(ch["delta"], ch["finish_reason"]) for ch in ends] == [({}, "length")] * 2
+    generated = sum(len(ch["logprobs"]["content"]) for c in tokens[:-1] for ch in c["choices"])
+    assert usage["usage"]["completion_tokens"] == generated == 12
+    assert usage["usage"]["total_tokens"] == chat_prompt + 12
+    whole = oai.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=6,
+        seed=4,
+        n=2,  # type: ignore[arg-type]
+    ).http_response.json()
+    assert [c["message"]["refusal"] for c in whole["choices"]] == [None, None]
+    assert whole["usage"]["prompt_tokens"] == chat_prompt
+    assert whole["usage"]["completion_tokens"] == 12
+    text = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    text_chunks = _sse(gateway, "/completions", {**text, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in text_chunks[:-1])
+    assert text_chunks[-1]["usage"]["prompt_tokens"] == text_prompt
+    assert text_chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all("usage" not in c for c in _sse(gateway, "/completions", text))
+
+
+def test_stop_text_is_excluded_whole_and_streamed(oai: openai.OpenAI) -> None:
+    """A stop sequence ends the choice with ``stop`` and is not in its text, also when it
+    spans tokens; a list of up to 4 is OpenAI's."""
+    full = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    # Three letters past the first token, read from the greedy text: a stop it meets.
+    start = next(i for i in range(3, len(text) - 3) if text[i : i + 3].isalpha())
+    stop = text[start : start + 3]
+    before = text[: text.index(stop)]
+    for stops in (stop, ["<never-1>", "<never-2>", "<never-3>", stop]):
+        reply = oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stops
+        )
+        assert (reply.choices[0].text, reply.choices[0].finish_reason) == (before, "stop")
+        streamed = list(
+            oai.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stops, stream=True
+            )
+        )
+        assert "".join(c.choices[0].text for c in streamed) == before
+        assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        (
+            {"max_tokens": 4, "max_completion_tokens": 3},
+            "max_tokens",
+            "invalid_parameter_combination",
+        ),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"seed": 2**63}, "seed", "invalid_value"),
+        ({"seed": -(2**63) - 1}, "seed", "invalid_value"),
+        ({"user": 7}, "user", "invalid_value"),
+        ({"prompt_cache_key": 5}, "prompt_cache_key", "unsupported_parameter"),
+        ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter"),
+        (
+            {"stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "invalid_value",
+        ),
+    ],
+)
+def test_openai_refusals_name_the_field(
+    oai: openai.OpenAI, extra: dict[str, Any], param: str, code: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model=MODEL, messages=HELLO, **extra)
+    assert (caught.value.param, caught.value.code) == (param, code)
+    error = caught.value.body
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+
+
+def test_an_unknown_parameter_is_refused_in_openais_words(oai: openai.OpenAI) -> None:
+    """OpenAI refuses what it does not know (vLLM ignores it): so does batchd, saying so
+    as OpenAI does and naming it."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.completions.create(model=MODEL, prompt=PROMPT, extra_body={"frobnicate": 1})
+    assert caught.value.message.endswith(" - Unrecognized request argument supplied: frobnicate")
+    assert (caught.value.param, caught.value.code) == ("frobnicate", "unknown_parameter")
+
+
+def test_openais_neutral_values_are_accepted(oai: openai.OpenAI) -> None:
+    """Documented parameters that change nothing batchd computes pass at their neutral
+    value (refused otherwise, above), on chat and on the Responses API."""
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_completion_tokens=2,
+        user="u-1",
+        safety_identifier="s-1",
+        prompt_cache_key="k-1",
+        modalities=["text"],
+    )
+    assert reply.choices[0].finish_reason == "length"
+    response = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=2, user="u-1")
+    assert response.status == "incomplete"
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.responses.create(model=MODEL, input="Hi", user=7)  # type: ignore[arg-type]
+    assert caught.value.param == "user"
+
+
+def test_a_negative_seed_is_an_int64_and_reproducible(oai: openai.OpenAI) -> None:
+    def text(seed: int) -> str:
+        reply = oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1, seed=seed
+        )
+        return reply.choices[0].text
+
+    assert text(-5) == text(-5) == text(2**63 - 5)  # folded into the job's range
+    assert text(-(2**63)) == text(0)
+
+
+def test_a_body_of_another_content_type_is_refused(gateway: Any) -> None:
+    body = orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    headers = {"Authorization": f"Bearer {gateway.options.api_keys[0]}"}
+    url = f"{gateway.base_url}/completions"
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d, a raw post
+        reply = httpx.post(url, content=body, headers={**headers, "Content-Type": kind})
+        assert reply.status_code == 400
+        assert reply.json()["error"]["code"] == "unsupported_content_type"
+    reply = httpx.post(
+        url, content=body, headers={**headers, "Content-Type": "application/json; charset=utf-8"}
+    )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_null_max_tokens_is_openais_default_and_vllms_extras_apply(
+    oai: openai.OpenAI,
+) -> None:
+    """A text completion's ``max_tokens: null`` is OpenAI's 16 (not the chat default);
+    vLLM's ``ignore_eos`` and ``stop_token_ids`` reach the job."""
+    reply = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=None,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    assert reply.choices[0].finish_reason == "length"
+    forced = {"logit_bias": {"75": 100}, "stop_token_ids": [75]}  # the first token stops
+    stopped = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, extra_body=forced)
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("", "stop")
