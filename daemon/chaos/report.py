@@ -24,6 +24,7 @@ def render(result: ChaosResult, *, command: str) -> str:
     rows += [(name, _zero(count)) for name, count in verdict.zeros().items()]
     rows += [
         ("keys left after result TTLs expired", _zero(result.keys_left)),
+        ("keys whose TTL started late (gone within it)", str(len(result.late))),
         ("jobs still queued or running after the run", _zero(result.stuck_running)),
         ("per-job keys without a TTL", _zero(result.keys_without_ttl)),
         ("jobs/s (under faults)", f"{rate:.1f}"),
@@ -56,6 +57,13 @@ def render(result: ChaosResult, *, command: str) -> str:
         lines += [f"  {line}" for line in problems[:40]]
         if len(problems) > 40:
             lines.append(f"  ... and {len(problems) - 40} more")
+    for title, described in (
+        ("keys left after result TTLs expired", result.left),
+        ("keys whose TTL started late, as they were when the result TTL passed", result.late),
+    ):
+        if described:
+            lines.append(f"{title}:")
+            lines += [f"  {line}" for line in described[:40]]
     if result.other_keys:
         lines.append(
             f"other keys (queues, dead letters, cancel stream): {', '.join(result.other_keys)}"

@@ -55,6 +55,11 @@ class ChaosResult:
     peak_redis_bytes: int
     keys_left: int
     other_keys: list[str] = field(default_factory=list)
+    # Each per-job key counted in ``keys_left``: its name, type, TTL and what it holds.
+    left: list[str] = field(default_factory=list)
+    # Per-job keys still there once the result TTL passed but gone within the TTL they
+    # had then (it started late), as described then.
+    late: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # the run itself broke
     # After the result TTLs: status hashes still queued or running (a job no daemon will
     # end), and per-job keys with no TTL at all (they would stay forever).
@@ -233,7 +238,7 @@ def run_chaos(
         verdict.findings += cluster.unexpected_exits
         progress(f"waiting {options.result_ttl_s}s for the results to expire")
         time.sleep(options.result_ttl_s + 2)
-        keys_left, other_keys = _keys_left(admin, keys)
+        left, late, other_keys = _keys_left(admin, keys)
         stuck_running, keys_without_ttl = _left_forever(admin, keys, verdict)
         admin.close()
     finally:
@@ -246,8 +251,10 @@ def run_chaos(
         seconds,
         reference_seconds,
         peak.bytes,
-        keys_left,
+        len(left),
         other_keys,
+        left,
+        late,
         failures,
         stuck_running,
         keys_without_ttl,
@@ -331,12 +338,55 @@ def _job_keys(client: redis.Redis, keys: Keys) -> list[bytes]:
     return [key for p in _job_prefixes(keys) for key in client.scan_iter(f"{p}*")]
 
 
-def _keys_left(client: redis.Redis, keys: Keys) -> tuple[int, list[str]]:
-    """Per-job keys still in Redis (must be none once result TTLs pass), and the rest."""
+def _keys_left(client: redis.Redis, keys: Keys) -> tuple[list[str], list[str], list[str]]:
+    """Per-job keys still in Redis once the result TTLs passed, each described
+    (:func:`_described`): those still there after the longest TTL they had then ran
+    out too (must be none), and those gone by then; and the names of the other keys.
+
+    A TTL starts when the job's entry is acked, which can come well after the end its
+    subscriber read: a daemon killed or paused between storing an end and acking it
+    leaves the ack to the daemon that claims the entry once its heartbeat expired, or
+    to itself when it runs again (seconds; more when every daemon is down at once).
+    Such keys go within the TTL they have; a key that stays past it had its TTL
+    started again after the run, or has none."""
+    first = _left_now(client, keys)
+    running = [int(client.pttl(key)) for key in first]
+    if max(running, default=0) > 0:
+        time.sleep(max(running) / 1000 + 1)
+    stayed = _left_now(client, keys)
+    late = [line for key, line in first.items() if key not in stayed]
     prefixes = tuple(p.encode() for p in _job_prefixes(keys))
-    job_keys = _job_keys(client, keys)
     others = sorted(k.decode() for k in client.scan_iter("*") if not k.startswith(prefixes))
-    return len(job_keys), others
+    return list(stayed.values()), late, others
+
+
+def _left_now(client: redis.Redis, keys: Keys) -> dict[bytes, str]:
+    """Every per-job key Redis holds now, described."""
+    described = {key: _described(client, key) for key in _job_keys(client, keys)}
+    return {key: line for key, line in described.items() if line is not None}
+
+
+def _described(client: redis.Redis, key: bytes) -> str | None:
+    """A key left over as ``name (type, TTL s): contents``: whether it lost its TTL or
+    got one late, and which write last made it, can then be read off a failed run. None
+    when it expired since the scan found it."""
+    raw: Any = client.type(key)
+    kind = raw.decode()
+    held: Any
+    if kind == "none":
+        return None
+    if kind == "hash":
+        fields: Any = client.hgetall(key)
+        held = {
+            k.decode(errors="replace"): v.decode(errors="replace")[:80] for k, v in fields.items()
+        }
+    elif kind == "stream":
+        last: Any = client.xrevrange(key, count=1)
+        held = f"{client.xlen(key)} entries, last {last[0][0].decode() if last else None}: "
+        held += str(last[0][1])[:160] if last else ""
+    else:
+        held = "?"
+    return f"{key.decode(errors='replace')} ({kind}, TTL {client.ttl(key)} s): {held}"
 
 
 def _left_forever(client: redis.Redis, keys: Keys, verdict: Verdict) -> tuple[int, int]:

@@ -55,6 +55,10 @@ CREATE_ONLY = 0
 # checked), then n (entry id, event JSON) pairs, then status field/value pairs.
 # A create-only append sets the keys' TTL itself: if its reply is lost, the retry
 # finds the keys and is answered 'lost', so no later EXPIRE would ever reach them.
+# The claim (epoch, owner) fences off earlier holders even when the stream is not where
+# this append believed ('tip'), but never creates the status hash then: a late append to
+# a job whose keys expired, or whose keys a failover took while its queue entry stayed,
+# would leave a hash that only the sweep, late, gives a TTL.
 _APPEND = f"""
 local created = false
 if ARGV[2] == '{CREATE_ONLY}' then
@@ -73,18 +77,27 @@ if held < mine and not created and ARGV[6] ~= ''
    and #redis.call('XRANGE', KEYS[4], ARGV[6], ARGV[6]) == 0 then
   return {{'gone'}}
 end
-if held < mine then redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'owner', ARGV[1]) end
 local function tip()
   local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
   if #last == 0 then return 0 end
   return tonumber(string.match(last[1][1], '%-(%d+)$'))
 end
+local function claim()
+  if held < mine then
+    redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'owner', ARGV[1])
+    if created then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+  end
+end
 local believed = tonumber(ARGV[3])
 local n = tonumber(ARGV[5])
 if n == 0 or redis.call('XLEN', KEYS[1]) ~= believed then
   local stored = tip()
-  if stored ~= believed then return {{'tip', stored}} end
+  if stored ~= believed then
+    if redis.call('EXISTS', KEYS[2]) == 1 then claim() end
+    return {{'tip', stored}}
+  end
 end
+claim()
 for i = 0, n - 1 do
   local r = redis.pcall('XADD', KEYS[1], ARGV[7 + 2 * i], '{EVENT_FIELD}', ARGV[8 + 2 * i])
   if type(r) == 'table' and r.err then
@@ -100,7 +113,6 @@ end
 if #ARGV > 6 + 2 * n then
   local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 7 + 2 * n))
   if type(r) == 'table' and r.err then return {{'refused', n, r.err}} end
-  if created then redis.pcall('EXPIRE', KEYS[2], ARGV[4]) end
 end
 return {{'ok', n}}
 """
