@@ -28,6 +28,7 @@ continues exactly where an uninterrupted run would be.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -46,11 +47,17 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
 
 class TokenTexts:
     """Each token id's own text, decoded alone (special tokens as written), cached: what
-    logprobs name tokens by for a client without the tokenizer."""
+    logprobs name tokens by for a client without the tokenizer.
+
+    A token that is only part of a multi-byte character decodes alone to U+FFFD, which
+    is not its bytes; :meth:`bytes_of` gives such a token's own bytes, so a client can join
+    consecutive tokens' bytes into the character (OpenAI's logprobs ``bytes``)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._decode = tokenizer.decode
+        self._pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, bytes | None] = {}
 
     def of(self, ids: Iterable[int]) -> dict[int, str]:
         """``{id: text}`` for each of ``ids``."""
@@ -61,6 +68,52 @@ class TokenTexts:
                 text = self._texts[token_id] = str(self._decode([token_id]))
             out[token_id] = text
         return out
+
+    def bytes_of(self, ids: Iterable[int]) -> dict[int, bytes]:
+        """``{id: its bytes}`` for each of ``ids`` whose text (:meth:`of`) is not its bytes'
+        UTF-8: a part of a multi-byte character. Other ids are left out (their text's UTF-8
+        is their bytes), as is one whose bytes the tokenizer does not tell."""
+        out = {}
+        for token_id, text in self.of(ids).items():
+            if _INCOMPLETE not in text:
+                continue
+            if token_id not in self._bytes:
+                self._bytes[token_id] = self._raw(token_id, text)
+            raw = self._bytes[token_id]
+            if raw is not None:
+                out[token_id] = raw
+        return out
+
+    def _raw(self, token_id: int, text: str) -> bytes | None:
+        """The token's bytes from its vocabulary entry: a byte-fallback ``<0xE2>`` piece's
+        byte, or a byte-level BPE piece mapped back through GPT-2's byte alphabet; kept
+        only when they decode (invalid bytes replaced) to the token's text, else None."""
+        if self._pieces is None:
+            return None
+        piece = str(self._pieces(token_id))
+        fallback = _BYTE_PIECE.fullmatch(piece)
+        if fallback is not None:
+            raw = bytes([int(fallback.group(1), 16)])
+        elif all(c in _BYTE_LEVEL for c in piece):
+            raw = bytes(_BYTE_LEVEL[c] for c in piece)
+        else:
+            return None
+        same = raw.decode("utf-8", "replace") == text and raw != text.encode()
+        return raw if same else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in printable)
+    alphabet.update({chr(0x100 + n): b for n, b in enumerate(shifted)})
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class IncrementalDetokenizer:

@@ -39,7 +39,10 @@ class RequestOutput:
     request, never the last prompt token; before any preemption, prompt tokens only.
     ``token_texts`` (requests with ``token_texts``) maps each token id this output names
     (the token, its top_logprobs, the prompt's tokens with ``prompt_logprobs``) to its
-    text decoded alone.
+    text decoded alone; ``token_bytes`` the bytes of those of them that are only part of a
+    multi-byte character (their text shows U+FFFD), as ``TokenTexts.bytes_of`` tells.
+    ``stop_token``: the token is a stop token (eos, ``stop_token_ids``, a grammar's end):
+    it ends the sample and none of its own text is in ``text`` (only text it released).
     """
 
     request_id: str
@@ -55,6 +58,8 @@ class RequestOutput:
     sample: int = 0
     token_texts: dict[int, str] | None = None
     cached_tokens: int = 0
+    token_bytes: dict[int, bytes] | None = None
+    stop_token: bool = False
 
 
 class ChunkKind(str, Enum):

@@ -29,10 +29,13 @@ from batchd.engine.scheduling.sequence import FinishReason
 
 @dataclass(frozen=True)
 class TokenVerdict:
-    """The text a new token releases, and why the request ends with it (if it does)."""
+    """The text a new token releases, and why the request ends with it (if it does).
+    ``stop_token``: the token is a stop token (eos, stop_token_ids, a grammar's end), which
+    ends the request and adds no text of its own (``text`` is only what it released)."""
 
     text: str
     finish_reason: FinishReason | None
+    stop_token: bool = False
 
 
 class RequestState:
@@ -108,7 +111,7 @@ class RequestState:
         if self.matcher is not None:
             self.matcher.consume(token_id)
         if token_id in self._stop_ids or token_id in self._grammar_ends:
-            return self._emit(self._flush(), FinishReason.stop)
+            return self._emit(self._flush(), FinishReason.stop, stop_token=True)
         text = self._stops.push(self._detok.add(token_id), armed=self._armed)
         if self._stops.stopped:
             return self._emit(text, FinishReason.stop)
@@ -127,6 +130,8 @@ class RequestState:
         text = self._stops.push(self._detok.flush(), armed=self._armed)
         return text if self._stops.stopped else text + self._stops.flush()
 
-    def _emit(self, text: str, reason: FinishReason | None) -> TokenVerdict:
+    def _emit(
+        self, text: str, reason: FinishReason | None, *, stop_token: bool = False
+    ) -> TokenVerdict:
         self.text += text
-        return TokenVerdict(text, reason)
+        return TokenVerdict(text, reason, stop_token)

@@ -678,6 +678,8 @@ class Event(_Strict):
     counts the prompt once and the tokens of all sequences). With n=1 neither
     field is present. No number in it is NaN or infinite (JSON has neither: an event
     that would hold one is refused when it is made, never published unreadable).
+    A daemon writes no field outside this schema; a reader should leave out the fields
+    it does not know (a newer daemon's), as batchd's own readers do.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -698,6 +700,18 @@ class Event(_Strict):
         None,
         description="Token id -> its text decoded alone, for each id this event names (jobs "
         "with token_texts).",
+    )
+    token_bytes: dict[int, list[int]] | None = Field(
+        None,
+        description="Token id -> its bytes, for each id of token_texts that is only part of a "
+        "multi-byte character (its text decoded alone shows U+FFFD); every other id's bytes "
+        "are its text's UTF-8.",
+    )
+    stop_token: bool | None = Field(
+        None,
+        description="True (else absent) on the token event of a stop token (eos, stop_token_ids, a "
+        "grammar's end): it ends its sequence and none of its own text is in the output "
+        "(its text is only what it released). It counts in usage.completion_tokens.",
     )
     prompt_logprobs: list[tuple[int, float | None]] | None = Field(
         None,
@@ -741,12 +755,22 @@ class Event(_Strict):
                 fields["top_logprobs"] = self.top_logprobs
             if self.token_texts is not None:
                 fields["token_texts"] = {str(t): text for t, text in self.token_texts.items()}
+            if self.token_bytes is not None:
+                fields["token_bytes"] = {str(t): raw for t, raw in self.token_bytes.items()}
+            if self.stop_token is not None:
+                fields["stop_token"] = self.stop_token
             return orjson.dumps(fields)
         return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
 
     @classmethod
     def decode(cls, data: bytes | str) -> Event:
-        return cls.model_validate(orjson.loads(data))
+        """An event as a reader takes it: fields this version does not know (a newer
+        daemon's) are left out, so readers need not be upgraded before daemons; an
+        event made here still refuses them (a typo in the code that builds it)."""
+        raw = orjson.loads(data)
+        if isinstance(raw, dict):
+            raw = {name: value for name, value in raw.items() if name in cls.model_fields}
+        return cls.model_validate(raw)
 
 
 class JobStatus(BaseModel):

@@ -150,6 +150,8 @@ class HeldJobs(Mapping[str, Job]):
                         prompt_logprobs=out.prompt_logprobs,
                         cached_tokens=out.cached_tokens,
                         token_texts=out.token_texts,
+                        token_bytes=out.token_bytes,
+                        stop_token=out.stop_token,
                     )
                 if out.finish_reason is not None:
                     reason = FINISH_REASONS[out.finish_reason]

@@ -233,11 +233,15 @@ class Job:
         prompt_logprobs: list[float] | None = None,
         cached_tokens: int | None = None,
         token_texts: dict[int, str] | None = None,
+        token_bytes: dict[int, bytes] | None = None,
+        stop_token: bool = False,
     ) -> None:
         """Append one generated token of sequence ``index`` as the next seq, with the
         prompt's logprobs (after its first token) when they come with it; the first
         ``cached_tokens`` reported (the prefix-cache hit) goes to the final usage;
-        ``token_texts`` (jobs that asked) names the token ids the event holds."""
+        ``token_texts`` (jobs that asked) names the token ids the event holds and
+        ``token_bytes`` the bytes of those that are part of a character; ``stop_token``
+        marks a stop token, which adds no text (Event.stop_token)."""
         assert not self.ended, f"job {self.job_id}: token after the final event"
         if self.cached_tokens is None and cached_tokens is not None:
             self.cached_tokens = min(cached_tokens, len(self.prompt_token_ids))
@@ -253,6 +257,10 @@ class Job:
                 logprob=logprob,
                 top_logprobs=top_logprobs,
                 token_texts=token_texts,
+                token_bytes=None
+                if token_bytes is None
+                else {t: list(raw) for t, raw in token_bytes.items()},
+                stop_token=True if stop_token else None,
                 prompt_logprobs=None
                 if prompt_logprobs is None
                 else list(zip(self.prompt_token_ids, [None, *prompt_logprobs], strict=True)),

@@ -67,12 +67,14 @@ def token_output(
     grammar that fails on the token (an llguidance limit) ends this request alone, with
     finish reason error and the reason in ``error``."""
     index = state.num_outputs
-    texts = None
+    texts = raw = None
     if state.params.token_texts:
-        named = [token_id, *(t for t, _ in top or ())]
+        sampled = [token_id, *(t for t, _ in top or ())]
+        named = list(sampled)
         if prompt_logprobs is not None:
             named += seq.tokens(0, seq.num_prompt_tokens)
         texts = token_texts.of(named)
+        raw = token_texts.bytes_of(sampled) or None
     error = None
     try:
         verdict = state.on_token(token_id)
@@ -93,6 +95,8 @@ def token_output(
         sample=seq.sample,
         cached_tokens=seq.num_cached_tokens,
         token_texts=texts,
+        token_bytes=raw,
+        stop_token=verdict.stop_token,
     )
 
 

@@ -12,12 +12,14 @@ as it comes until a call may have begun, and the calls go out as ``tool_calls`` 
 when the job ends.
 
 Logprobs name each token by its own text (the events' ``token_texts``, which the daemon
-decodes): chat's ``content`` entries with ``bytes`` and up to ``top_logprobs``
-alternatives; a text completion's ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
-alternatives and the sampled token, as OpenAI's) and ``text_offset``. A completion with
-``echo`` starts each choice's text with the prompt (streamed: its first chunk) and, with
-logprobs, its logprobs with the prompt's tokens (the first one's logprob null, and no
-alternatives: the prompt's own token only).
+decodes): chat's ``content`` entries with ``bytes`` (the token's own: the events'
+``token_bytes`` for a piece of a character) and up to ``top_logprobs`` alternatives; a
+text completion's ``tokens``, ``token_logprobs``, ``top_logprobs`` (the alternatives and
+the sampled token, as OpenAI's) and ``text_offset``. They list the text's tokens: a stop
+token (the event's ``stop_token``: eos...) adds no text and has no entry, though usage
+counts it. A completion with ``echo`` starts each choice's text with the prompt
+(streamed: its first chunk) and, with logprobs, its logprobs with the prompt's tokens
+(the first one's logprob null, and no alternatives: the prompt's own token only).
 """
 
 from __future__ import annotations
@@ -81,14 +83,24 @@ def token_text(event: Event) -> str:
     return texts.get(event.token_id, event.text) if event.token_id is not None else event.text
 
 
-def alternatives(event: Event, count: int) -> list[tuple[str, float]]:
-    """The event's first ``count`` top logprobs as (text, logprob)."""
+def alternatives(event: Event, count: int) -> list[tuple[int, str, float]]:
+    """The event's first ``count`` top logprobs as (token id, text, logprob)."""
     texts = event.token_texts or {}
-    return [(texts.get(t, f"token_id:{t}"), lp) for t, lp in (event.top_logprobs or [])[:count]]
+    top = (event.top_logprobs or [])[:count]
+    return [(t, texts.get(t, f"token_id:{t}"), lp) for t, lp in top]
 
 
-def _utf8(text: str) -> list[int]:
-    return list(text.encode("utf-8", "surrogatepass"))
+def token_bytes(event: Event, token_id: int | None, text: str) -> list[int]:
+    """A token's own bytes: the daemon's ``token_bytes`` for a token that is part of a
+    multi-byte character (its text shows U+FFFD), else its text's UTF-8."""
+    raw = (event.token_bytes or {}).get(token_id) if token_id is not None else None
+    return raw if raw is not None else list(text.encode("utf-8", "surrogatepass"))
+
+
+def content_tokens(tokens: list[Event]) -> list[Event]:
+    """The events whose tokens the logprobs list: all but a stop token (eos...), which is
+    no part of the text (it counts in usage all the same)."""
+    return [e for e in tokens if not e.stop_token]
 
 
 def add_prompt_logprobs(
@@ -132,6 +144,7 @@ class Shaper:
         self.created = int(time.time())
         self.started: set[int] = set()  # choices whose first chunk went out
         self.gates: dict[int, ContentGate] = {}  # with tools: each choice's text
+        self.pending: dict[int, list[Event]] = {}  # with tools: tokens whose chunk waits
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The fields every object and chunk shares; streamed with
@@ -155,15 +168,20 @@ class Shaper:
         (the event holding the prompt's logprobs) comes first."""
         if not self.logprobs:
             return None
+        tokens = content_tokens(tokens)
         if self.kind == CHAT:
             content = []
             for e in tokens:
                 token = token_text(e)
                 best = [
-                    {"token": t, "logprob": lp, "bytes": _utf8(t)}
-                    for t, lp in alternatives(e, self.top_logprobs)
+                    {"token": t, "logprob": lp, "bytes": token_bytes(e, i, t)}
+                    for i, t, lp in alternatives(e, self.top_logprobs)
                 ]
-                entry = {"token": token, "logprob": e.logprob, "bytes": _utf8(token)}
+                entry = {
+                    "token": token,
+                    "logprob": e.logprob,
+                    "bytes": token_bytes(e, e.token_id, token),
+                }
                 content.append(entry | {"top_logprobs": best})
             return {"content": content}
         texts: list[str] = []
@@ -179,7 +197,7 @@ class Shaper:
             token = token_text(e)
             texts.append(token)
             logprobs.append(e.logprob)
-            top = dict(alternatives(e, self.top_logprobs))
+            top = {t: lp for _, t, lp in alternatives(e, self.top_logprobs)}
             if e.logprob is not None:
                 top[token] = e.logprob  # OpenAI's: the sampled token always among them
             tops.append(top)
@@ -228,26 +246,34 @@ class Shaper:
 
     def chunks(self, event: Event) -> list[dict[str, Any]]:
         """The stream chunks one event makes (with tools, text may wait: see the module
-        doc)."""
+        doc). With tools, a token's logprobs go out with the first chunk sent at or after
+        it (its text's content, else the calls), so the chunks carry every token's
+        logprobs once, as the whole answer lists them."""
         if self.tools is None or self.kind != CHAT:
             return [self.chunk(event)]
         if not event.final:
             index = event.index or 0
+            self.pending.setdefault(index, []).append(event)
             content = self._gate(index).feed(event.text)
-            return [self._envelope_chunk(index, {"content": content}, None)] if content else []
-        out = []
+            return [self._envelope_chunk(index, {"content": content})] if content else []
+        out: list[dict[str, Any]] = []
         reasons = {}
         for index, full, reason in _ends(event):
             _, calls, rest = self._gate(index).end(full)
             reasons[index] = finish_with_calls(reason, calls)
+            sent = len(out)
             if rest or index not in self.started:
-                out.append(self._envelope_chunk(index, {"content": rest}, None))
+                # An empty opening chunk leaves the tokens' logprobs to the calls' chunk.
+                carry = bool(rest) or not calls
+                out.append(self._envelope_chunk(index, {"content": rest}, carry=carry))
             for number, item in enumerate(tool_calls(self.job_id, index, calls)):
                 head = {"index": number, "id": item["id"], "type": "function"}
                 head["function"] = {"name": item["function"]["name"], "arguments": ""}
                 args = {"index": number, "function": {"arguments": item["function"]["arguments"]}}
-                out.append(self._envelope_chunk(index, {"tool_calls": [head]}, None))
-                out.append(self._envelope_chunk(index, {"tool_calls": [args]}, None))
+                out.append(self._envelope_chunk(index, {"tool_calls": [head]}))
+                out.append(self._envelope_chunk(index, {"tool_calls": [args]}))
+            if len(out) == sent and content_tokens(self.pending.get(index, [])):
+                out.append(self._envelope_chunk(index, {"content": ""}))
         choices: list[dict[str, Any]] = [
             {"index": i, "delta": {}, "finish_reason": r, "logprobs": None}
             for i, r in reasons.items()
@@ -260,12 +286,16 @@ class Shaper:
         return self.gates.setdefault(index, ContentGate(self.tools))
 
     def _envelope_chunk(
-        self, index: int, delta: dict[str, Any], reason: str | None
+        self, index: int, delta: dict[str, Any], *, carry: bool = True
     ) -> dict[str, Any]:
+        """A chunk of choice ``index`` with tools, carrying (with ``carry``) the logprobs
+        of the tokens that waited for it (:meth:`chunks`; null when none did)."""
         if index not in self.started:
             delta = {"role": "assistant", **delta}
             self.started.add(index)
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        waited = content_tokens(self.pending.pop(index, []) if carry else [])
+        logprobs = self._logprobs(waited, index=index) if waited else None
+        choice = {"index": index, "delta": delta, "finish_reason": None, "logprobs": logprobs}
         return self._envelope("chat.completion.chunk", [choice])
 
     def chunk(self, event: Event) -> dict[str, Any]:

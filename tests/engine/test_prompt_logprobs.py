@@ -1,7 +1,11 @@
 """Prompt logprobs: each prompt token's log-probability given the ones before it, equal
 (within float32 tolerance) to a log-softmax over mlx-lm's own forward of the prompt; in
 chunks, in a mixed batch, and with the prompt's blocks already in the prefix cache
-(which such a request does not use)."""
+(which such a request does not use).
+
+And how outputs name the tokens logprobs list, on SmolLM2's own tokenizer: a stop token
+is marked (none of its text is output), and a token that is only part of a character
+carries its own bytes, so joined they give the text."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import numpy as np
 import pytest
 
-from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from batchd.engine.detokenizer import TokenTexts
 from batchd.engine.models.loader import LoadedModel, load
 from tests.engine.parity_harness import prompt_logprobs_reference
 
@@ -70,3 +75,54 @@ def test_asking_changes_no_output(loaded: LoadedModel) -> None:
         [PROMPT], SamplingParams(max_tokens=6, prompt_logprobs=True)
     )
     assert with_scores == without
+
+
+def _token_bytes(out: RequestOutput, token_id: int) -> bytes:
+    """A token's bytes as an output tells them: its own where it carries them, else its
+    text's."""
+    assert out.token_texts is not None
+    return (out.token_bytes or {}).get(token_id, out.token_texts[token_id].encode())
+
+
+def test_outputs_mark_stop_tokens_and_carry_partial_characters_bytes(
+    smollm2_model: Path,
+) -> None:
+    loaded = load(smollm2_model)
+    eng = LLMEngine(
+        loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, num_kv_blocks=64)
+    )
+    tokenizer = eng.tokenizer
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode("東京 😀 café")
+    assert b"".join(texts.bytes_of([i]).get(i, texts.of([i])[i].encode()) for i in ids) == (
+        "東京 😀 café".encode()
+    )
+    asks = {"capital": "What is the capital of France?", "japanese": "Translate to Japanese: Tokyo"}
+    for rid, ask in asks.items():
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ask}], add_generation_prompt=True
+        )
+        params = SamplingParams(
+            max_tokens=40 if rid == "capital" else 8, temperature=0, logprobs=3, token_texts=True
+        )
+        eng.add_request(rid, prompt_token_ids=prompt, params=params)
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in asks}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs[out.request_id].append(out)
+    *answer, end = outs["capital"]
+    assert end.finish_reason == "stop" and end.stop_token and end.token_id in eng.eos_token_ids
+    assert not any(out.stop_token for out in answer + outs["japanese"])
+    text = "".join(out.text for out in outs["capital"])
+    assert (
+        "Paris" in text and b"".join(_token_bytes(o, o.token_id) for o in answer) == text.encode()
+    )
+    japanese = outs["japanese"]
+    assert any(out.token_bytes for out in japanese)  # pieces of characters
+    joined = b"".join(_token_bytes(o, o.token_id) for o in japanese)
+    assert joined.decode() == "".join(out.text for out in japanese)
+    for out in japanese:
+        for token_id, _ in out.top_logprobs or []:
+            raw = _token_bytes(out, token_id)
+            assert raw.decode("utf-8", "replace") == out.token_texts[token_id]  # type: ignore[index]
+            assert raw != "\ufffd".encode()

@@ -286,3 +286,14 @@ def test_schema_command_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
     printed = capsys.readouterr().out
     assert printed == (ROOT / "producers" / "protocol.schema.json").read_text()
     assert json.loads(printed)["$defs"]["JobRequest"]["additionalProperties"] is False
+
+
+def test_a_reader_leaves_out_event_fields_it_does_not_know() -> None:
+    """A newer daemon's event reaches an older reader: the unknown field is left out;
+    an event built here still refuses it."""
+    newer = orjson.dumps({"seq": 3, "token_id": 7, "text": "a", "from_a_newer_daemon": [1]})
+    event = Event.decode(newer)
+    assert (event.seq, event.token_id, event.text) == (3, 7, "a")
+    assert "from_a_newer_daemon" not in event.model_dump()
+    with pytest.raises(PydanticValidationError, match="from_a_newer_daemon"):
+        Event.model_validate({"seq": 3, "from_a_newer_daemon": [1]})

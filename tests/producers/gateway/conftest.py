@@ -1,4 +1,5 @@
-"""One redis-server, one real daemon on the tiny model and one gateway per module.
+"""One redis-server, one real daemon on the tiny model and one gateway per module (and,
+for tests that ask, SmolLM2 on a daemon and gateway of its own).
 
 The gateway runs in uvicorn on a thread, on a free port of 127.0.0.1; tests
 talk to it with the official ``openai`` package, as any client would.
@@ -16,11 +17,13 @@ import pytest
 import redis
 
 from batchd.config.sections import GatewaySettings
+from batchd.engine.models.gguf_convert import convert_gguf
+from batchd.engine.models.registry import packaged_gguf
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
 from batchd.producers.gateway.serving.server import uvicorn_config
 from support.asgi import serve_in_thread
-from support.daemon_harness import DaemonProcess, daemon_config, wait_heartbeat
+from support.daemon_harness import DaemonProcess, daemon_config, wait_heartbeat, wait_until
 from support.redis_server import free_port
 
 API_KEY = "sk-test-gateway"
@@ -84,6 +87,38 @@ def gateway(
     )
     with run_gateway(redis_url, options) as gw:
         yield gw
+
+
+@pytest.fixture(scope="module")
+def smol(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """SmolLM2-135M-Instruct (its packaged GGUF, float32) on a daemon and gateway of their
+    own (queue ``smol``, model ``smollm2``): a real model, which ends on its end token and
+    writes CJK text as byte-level pieces."""
+    tmp = tmp_path_factory.mktemp("smol")
+    model = convert_gguf(packaged_gguf("smollm2"), tmp / "smollm2", keep_quantized=False)
+    daemon = DaemonProcess(
+        daemon_config(tmp, redis_url),
+        model=model,
+        log_path=tmp / "d.log",
+        env={"BATCHD_QUEUES": '["smol"]'},
+    ).wait_serving()
+    try:
+        options = GatewayOptions(api_keys=[API_KEY], queue="smol", files_dir=tmp)
+        with run_gateway(redis_url, options) as gw:
+            client = openai.OpenAI(base_url=gw.base_url, api_key=API_KEY, max_retries=0)
+            wait_until(lambda: bool(client.models.list().data), what="smol heartbeat")
+            client.close()
+            yield gw
+    finally:
+        daemon.kill()
+
+
+@pytest.fixture
+def smol_oai(smol: Gateway) -> Iterator[openai.OpenAI]:
+    """The official sync client on :func:`smol`'s gateway."""
+    client = openai.OpenAI(base_url=smol.base_url, api_key=API_KEY, max_retries=0)
+    yield client
+    client.close()
 
 
 @pytest.fixture

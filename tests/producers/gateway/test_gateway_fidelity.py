@@ -17,6 +17,9 @@ same daemon.
 - OpenAI's refusals: ``max_tokens`` with ``max_completion_tokens``, more than 4 stop
   sequences, a seed outside int64, a non-string ``user``, a body sent as another
   content type; a negative seed (an int64 may be) samples reproducibly.
+- Logprobs of a real model (SmolLM2, its own daemon and gateway): they list the content's
+  tokens, the end token not among them though usage counts it, and each entry's
+  ``bytes`` are the token's own, so joined they rebuild a character split over tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Hello there"}]
 PROMPT = "Once upon a time"
 UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 4}
+SMOL = "smollm2"
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+JAPANESE = [{"role": "user", "content": "Translate to Japanese: Tokyo"}]
 
 
 def test_presence_penalty_does_not_touch_the_prompt(oai: openai.OpenAI) -> None:
@@ -389,3 +395,58 @@ def test_a_null_max_tokens_is_openais_default_and_vllms_extras_apply(
     forced = {"logit_bias": {"75": 100}, "stop_token_ids": [75]}  # the first token stops
     stopped = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, extra_body=forced)
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("", "stop")
+
+
+def _joined(entries: list[Any]) -> tuple[str, bytes]:
+    """The tokens' texts and their bytes, each joined."""
+    return "".join(e["token"] for e in entries), b"".join(bytes(e["bytes"]) for e in entries)
+
+
+def test_logprobs_list_the_content_tokens_not_the_end_token(
+    smol: Any, smol_oai: openai.OpenAI
+) -> None:
+    """A chat answer that ends on ``<|im_end|>``: its logprobs join to its content, whole
+    and streamed, and usage counts the end token all the same (vLLM's and mlx-lm's count);
+    a text completion's ``tokens`` likewise join to its text."""
+    body = {"model": SMOL, "messages": CAPITAL, "max_tokens": 40, "temperature": 0}
+    whole = smol_oai.chat.completions.with_raw_response.create(
+        **body, logprobs=True, top_logprobs=2
+    ).http_response.json()
+    choice = whole["choices"][0]
+    content = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and "Paris" in content
+    entries = choice["logprobs"]["content"]
+    assert _joined(entries) == (content, content.encode())
+    assert whole["usage"]["completion_tokens"] == len(entries) + 1  # the end token counts
+    chunks = _sse(smol, "/chat/completions", {**body, "logprobs": True, "stream": True})
+    streamed = [
+        e for c in chunks for ch in c["choices"] for e in (ch["logprobs"] or {}).get("content", [])
+    ]
+    assert streamed == [
+        {k: v for k, v in e.items() if k != "top_logprobs"} | {"top_logprobs": []} for e in entries
+    ]
+    template = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    text = smol_oai.completions.create(
+        model=SMOL, prompt=template, max_tokens=40, temperature=0, logprobs=1
+    )
+    logprobs = text.choices[0].logprobs
+    assert text.choices[0].finish_reason == "stop" and logprobs is not None
+    assert "".join(logprobs.tokens or []) == text.choices[0].text == content
+    assert text.usage is not None and text.usage.completion_tokens == len(entries) + 1
+
+
+def test_logprob_bytes_are_the_tokens_own(smol_oai: openai.OpenAI) -> None:
+    """CJK text comes as byte-level pieces, each only part of a character (its text
+    U+FFFD): each entry's ``bytes`` are its piece's, so the bytes join into the content,
+    and an alternative's bytes are its own too."""
+    reply = smol_oai.chat.completions.with_raw_response.create(
+        model=SMOL, messages=JAPANESE, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    ).http_response.json()
+    content = reply["choices"][0]["message"]["content"]
+    entries = reply["choices"][0]["logprobs"]["content"]
+    assert any(e["token"] == "\ufffd" for e in entries)  # characters split over tokens
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == content
+    replaced = "\ufffd".encode()
+    for alt in [alt for e in entries for alt in e["top_logprobs"]]:
+        assert bytes(alt["bytes"]).decode("utf-8", "replace") == alt["token"]
+        assert bytes(alt["bytes"]) != replaced

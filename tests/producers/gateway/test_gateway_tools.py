@@ -150,6 +150,33 @@ def test_streamed_calls_come_as_tool_call_deltas(oai: openai.OpenAI) -> None:
     assert message.tool_calls and message.tool_calls[0].function.arguments == arguments
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_streamed_chunks_carry_the_logprobs_of_their_tokens(
+    oai: openai.OpenAI, choice: str
+) -> None:
+    """With tools and ``logprobs``, each token's logprobs go out with the first chunk sent
+    at or after it (its content, or with a forced call the call's chunks), so the chunks
+    carry every entry of the whole answer's ``logprobs.content`` once, in order."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "max_tokens": 200,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = oai.chat.completions.create(**kwargs).choices[0].logprobs
+    assert whole is not None and whole.content
+    chunks = [c.choices[0] for c in oai.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [e for c in chunks if c.logprobs for e in c.logprobs.content or []]
+    assert streamed == whole.content
+    if choice == "required":  # no content: the call's first chunk carries them
+        assert chunks[-1].finish_reason == "tool_calls"
+        assert any(c.delta.tool_calls and c.logprobs for c in chunks)
+
+
 def test_a_tool_result_goes_back_to_the_model(oai: openai.OpenAI, gateway: Any) -> None:
     first = oai.chat.completions.create(
         model=MODEL,
