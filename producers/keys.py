@@ -298,6 +298,10 @@ class Keys:
         """Sorted set of one owner's batch ids by creation time."""
         return f"{self.prefix}:gateway:batches:{owner}"
 
+    def gateway_files(self, owner: str) -> str:
+        """Sorted set of one owner's file ids by creation time (``GET /v1/files``)."""
+        return f"{self.prefix}:gateway:files:{owner}"
+
     @property
     def gateway_batches_pattern(self) -> str:
         """SCAN pattern of every owner's batch index."""

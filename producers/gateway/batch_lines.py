@@ -3,9 +3,11 @@
 An input line is exactly ``{"custom_id", "method": "POST", "url", "body"}``; its body is
 mapped as the online endpoint maps it (:mod:`batchd.producers.gateway.params`), so a
 batch refuses what an online request would, and a line can never name a job id.
-:class:`BatchLines` judges each line of a gateway batch alone: bad UTF-8, bad JSON,
-another endpoint's url, a model the fleet does not serve, a repeated ``custom_id`` or
-an invalid body becomes one error record, and the others run. Its jobs' ids are an
+As OpenAI does, a gateway batch is validated whole before any line runs
+(:func:`validation_errors`): a line that is not a JSON object, a repeated ``custom_id``
+or a url other than the batch's endpoint fails the batch, each named in its ``errors``.
+Then :class:`BatchLines` judges each line alone: a model the fleet does not serve or an
+invalid body becomes one error record, and the others run. Its jobs' ids are an
 HMAC of the line under the batch's secret (unguessable, and the same on a rerun), and
 they belong to the batch's key. :func:`output_line` makes OpenAI's output or error
 line of each record. No web framework here: the bulk worker imports this module.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -44,6 +46,8 @@ ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": TEXT}
 MAPPERS = {CHAT: chat_request, TEXT: completion_request}
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 MAX_CUSTOM_ID_CHARS = 512
+# The most lines a failed validation names (its errors live in the batch's record).
+MAX_VALIDATION_ERRORS = 100
 
 
 class LineError(ValidationError):
@@ -118,6 +122,46 @@ def openai_job(
     return mapped.job, echo
 
 
+def validation_errors(lines: Iterable[tuple[int, bytes]], endpoint: str) -> list[dict[str, Any]]:
+    """OpenAI's ``errors.data`` (``{code, message, param, line}``) of the (line number,
+    bytes) ``lines`` that fail a batch of ``endpoint`` before it runs, at most
+    :data:`MAX_VALIDATION_ERRORS`; empty when it may run. Memory: its custom_ids."""
+    errors: list[dict[str, Any]] = []
+    first: dict[str, int] = {}  # custom_id -> the line that has it
+    for line_no, raw in lines:
+        fault = _line_fault(line_no, raw, endpoint, first)
+        if fault is not None:
+            code, param, message = fault
+            errors.append({"code": code, "message": message, "param": param, "line": line_no})
+            if len(errors) == MAX_VALIDATION_ERRORS:
+                break
+    return errors
+
+
+def _line_fault(
+    line_no: int, raw: bytes, endpoint: str, first: dict[str, int]
+) -> tuple[str, str | None, str] | None:
+    """(code, param, message) of what fails the batch in one line, or None."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return "invalid_json_line", None, f"This line is not parseable as valid JSON: {exc}"
+    if not isinstance(data, dict):
+        why = f"This line is a JSON {type(data).__name__}, not an object ({', '.join(LINE_FIELDS)})"
+        return "invalid_json_line", None, why
+    custom_id = data.get("custom_id")
+    if isinstance(custom_id, str) and first.setdefault(custom_id, line_no) != line_no:
+        why = (
+            f"The custom_id {custom_id[:64]!r} repeats the one of line {first[custom_id]}: "
+            "custom_id must be unique in a batch"
+        )
+        return "duplicate_custom_id", "custom_id", why
+    url = data.get("url")
+    if isinstance(url, str) and url != endpoint:  # no url at all: that line's own error
+        return "invalid_url", "url", f"The url {url[:64]!r} is not the batch's endpoint {endpoint}"
+    return None
+
+
 class ServedModels:
     """The fleet's model names (:func:`~batchd.producers.gateway.fleet.names`), read
     again at most every ``refresh_s`` when a line names one not seen yet."""
@@ -153,7 +197,6 @@ class BatchLines(LineSource):
         self.key_id = key_id
         self.models = models
         self.limits = limits
-        self.first: dict[str, int] = {}  # custom_id -> the line that has it
 
     def job_id(self, line_no: int, raw: bytes) -> str:
         mac = hmac.new(self.secret, str(line_no).encode() + b"\0" + raw, hashlib.sha256)
@@ -172,15 +215,6 @@ class BatchLines(LineSource):
             raise LineError("line", f"invalid JSON: {exc}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise LineError("line", f"expected a JSON object, got {type(data).__name__}")
-        custom_id = data.get("custom_id")
-        if isinstance(custom_id, str):
-            first = self.first.setdefault(custom_id, line_no)
-            if first != line_no:
-                raise LineError(
-                    "custom_id",
-                    f"repeats the custom_id of line {first}",
-                    code="duplicate_custom_id",
-                )
         fields, echo = openai_job(data, endpoint=self.endpoint)
         model = self.models.resolve(echo["model"])
         if model is None:
@@ -217,9 +251,8 @@ class BatchLines(LineSource):
         }
 
     def remember(self, line_no: int, raw: bytes, record: dict[str, Any]) -> None:
-        custom_id = custom_id_of(raw).get("custom_id")
-        if custom_id is not None:
-            self.first.setdefault(custom_id, line_no)
+        """Nothing to carry: custom_ids were checked over the whole file before the run
+        (:func:`validation_errors`)."""
 
 
 def output_line(record: dict[str, Any], *, created: int) -> tuple[bool, dict[str, Any]]:

@@ -9,8 +9,9 @@ the output and error files have fixed ids and are rewritten whole.
 
 Every file is a name in the worker's own folder (``files_dir``, set by the worker),
 derived from the batch: its input file's id, its own id. A whole-batch problem that
-no retry can mend (the input file is gone or unreadable) fails the batch at once,
-with the reason in its ``errors``, instead of after rq's retries.
+no retry can mend (the input file is gone or unreadable, or fails OpenAI's validation:
+:func:`~batchd.producers.gateway.batch_lines.validation_errors`) fails the batch at
+once, with the reasons in its ``errors``, instead of after rq's retries.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from batchd.config.limits import LimitSettings
 from batchd.producers.bulk_files import FilesDir
 from batchd.producers.bulk_run import deployment_connection, execute, input_lines
 from batchd.producers.errors import UnsafePath
-from batchd.producers.gateway.batch_lines import BatchLines, ServedModels, custom_id_of, output_line
+from batchd.producers.gateway.batch_lines import (
+    BatchLines,
+    ServedModels,
+    custom_id_of,
+    output_line,
+    validation_errors,
+)
 from batchd.producers.gateway.fleet import served_models
 from batchd.producers.gateway.store import (
     DEFAULT_EXPIRY_S,
@@ -38,6 +45,7 @@ from batchd.producers.gateway.store import (
     decode,
     encode,
     expiring,
+    file_index,
     file_key,
     file_name,
     file_record,
@@ -79,8 +87,12 @@ def run_batch(
     try:
         if not conn.exists(file_key(keys, input_id)) or not files.exists(source):
             raise FileNotFoundError(f"file {input_id} was deleted or has expired")
+        with files.open(source) as src:
+            faults = validation_errors(input_lines(src), batch["endpoint"])
     except (UnsafePath, OSError) as exc:
-        return _fail(conn, key, "input_file_unavailable", f"the input file cannot be read: {exc}")
+        return _fail(conn, key, [_error("input_file_unavailable", f"cannot be read: {exc}")])
+    if faults:
+        return _fail(conn, key, faults)
     stopping = bool(conn.exists(stop_key(keys, batch_id)))
     if not stopping:
         _set(conn, key, status="in_progress", in_progress_at=batch.get("in_progress_at"))
@@ -116,7 +128,7 @@ def run_batch(
             _set(conn, key, status="finalizing", finalizing_at=batch.get("finalizing_at"))
         counts = finalize(conn, keys, batch, files, results, source, expired=end == "expired")
     except FileNotFoundError as exc:  # the input was deleted while the batch ran
-        return _fail(conn, key, "input_file_unavailable", f"the input file is gone: {exc}")
+        return _fail(conn, key, [_error("input_file_unavailable", f"is gone: {exc}")])
     _set(conn, key, status=end, request_counts=counts, **{f"{end}_at": None})
     return counts
 
@@ -198,21 +210,23 @@ def finalize(
         conn.hset(file_key(keys, file_id), mapping=stored)  # type: ignore[arg-type]
         conn.expireat(file_key(keys, file_id), created + lifetime)
         conn.zadd(expiring(keys), {file_name(file_id): created + lifetime})
+        conn.zadd(file_index(keys, batch[OWNER]), {file_id: time.time()})
         ids[field] = file_id
     conn.zadd(expiring(keys), {results: created + lifetime})
     conn.hset(batch_key(keys, batch_id), mapping=encode(ids))  # type: ignore[arg-type]
     return {"total": len(lines_in), "completed": len(lines[True]), "failed": len(lines[False])}
 
 
-def _fail(conn: redis.Redis, key: str, code: str, message: str) -> dict[str, Any]:
+def _error(code: str, why: str) -> dict[str, Any]:
+    """An ``errors.data`` entry about the input file as a whole."""
+    return {"code": code, "message": f"the input file {why}", "param": None, "line": None}
+
+
+def _fail(conn: redis.Redis, key: str, errors: list[dict[str, Any]]) -> dict[str, Any]:
     """End the batch ``failed`` now, with OpenAI's ``errors`` list (no rq retry: none
-    could mend it)."""
-    log.warning("batch %s failed: %s", key, message)
-    errors = {
-        "object": "list",
-        "data": [{"code": code, "message": message, "param": None, "line": None}],
-    }
-    _set(conn, key, status="failed", errors=errors, failed_at=None)
+    could mend it); no request ran."""
+    log.warning("batch %s failed: %s", key, errors[0]["message"])
+    _set(conn, key, status="failed", errors={"object": "list", "data": errors}, failed_at=None)
     return {"total": 0, "completed": 0, "failed": 0}
 
 

@@ -35,7 +35,7 @@ from batchd.producers.bulk_worker import SafeJob, rq_queue
 from batchd.producers.connection import is_cluster
 from batchd.producers.gateway.batch_lines import ENDPOINTS
 from batchd.producers.gateway.errors import APIError, invalid, not_found
-from batchd.producers.gateway.files import Files, expiry_seconds
+from batchd.producers.gateway.files import Files, expiry_seconds, list_page, page_limit
 from batchd.producers.gateway.fleet import BulkWorkers, Fleet
 from batchd.producers.gateway.guard import Guard
 from batchd.producers.gateway.online import read_json
@@ -67,6 +67,16 @@ CREATE_FIELDS = {
     "metadata",
     "output_expires_after",
 }
+# The batch object's timestamps that are null until their status is reached.
+STATUS_TIMES = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
 # Statuses in which a batch still needs a bulk worker.
 WAITING_ON_WORKER = {"validating", "in_progress", "finalizing", "cancelling"}
 # OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
@@ -153,6 +163,7 @@ class Batches:
             "error_file_id": None,
             "created_at": created,
             "expires_at": created + WINDOW_S,
+            **dict.fromkeys(STATUS_TIMES),
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": metadata,
         }
@@ -186,47 +197,27 @@ class Batches:
     async def listing(self, request: Request) -> Response:
         """Newest first, ``limit`` (1-100, default 20) at a time after the id ``after``."""
         owner = self.guard.owner(request)
-        limit_text = request.query_params.get("limit", "20")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-            raise invalid("limit", "must be an integer from 1 to 100")
-        limit, after = int(limit_text), request.query_params.get("after")
-        index = batch_index(self.keys, owner)
-        start = 0
-        if after is not None:
-            rank = await self.redis.zrevrank(index, after)
-            if not isinstance(rank, int):
-                raise not_found("batch", after, param="after", code="batch_not_found")
-            start = rank + 1
-        data: list[dict[str, Any]] = []
-        stale: list[str] = []  # ids whose record has expired
-        more = False
-        while not more:
-            ids = await self.redis.zrevrange(index, start, start + limit)
-            if not ids:
-                break
-            start += len(ids)
-            for raw in ids:
-                batch_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+        limit = page_limit(request.query_params.get("limit"), default=20, most=100)
+
+        async def fetch(ids: list[str]) -> list[dict[str, Any] | None]:
+            found: list[dict[str, Any] | None] = []
+            for batch_id in ids:
                 try:
-                    batch = await self._batch(batch_id, owner)
-                except APIError:
-                    stale.append(batch_id)
-                    continue
-                if len(data) == limit:
-                    more = True
-                    break
-                data.append(batch)
-        if stale:
-            await self.redis.zrem(index, *stale)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": more,
-            }
+                    found.append(await self._batch(batch_id, owner))
+                except APIError:  # its record has expired
+                    found.append(None)
+            return found
+
+        page = await list_page(
+            self.redis,
+            batch_index(self.keys, owner),
+            fetch,
+            after=request.query_params.get("after"),
+            limit=limit,
+            desc=True,
+            missing=lambda after: not_found("batch", after, param="after", code="batch_not_found"),
         )
+        return JSONResponse(page)
 
     async def retrieve(self, request: Request) -> Response:
         owner = self.guard.owner(request)
@@ -239,6 +230,7 @@ class Batches:
             batch = owned(await self.redis.hgetall(batch_key(self.keys, batch_id)), owner)
         if batch is None:
             raise not_found("batch", batch_id, param="batch_id", code="batch_not_found")
+        batch = {**dict.fromkeys(STATUS_TIMES), **batch}  # a record an older gateway wrote
         if batch["status"] in TERMINAL:
             return batch
         status, progress = await run_in_threadpool(self._runner, batch_id)

@@ -3,8 +3,8 @@
 A file's record expires by itself (a Redis TTL at its ``expires_at``); its bytes are
 listed by name in ``<prefix>:gateway:expiring`` (a sorted set by expiry time) and
 removed by :meth:`Sweeper.sweep`, which the gateway runs every ``every_s`` while it
-serves. A batch's record and stop key carry their own TTL, and ``GET /v1/batches``
-drops ids whose record is gone.
+serves. A batch's record and stop key carry their own TTL; ``GET /v1/batches`` and
+``GET /v1/files`` drop from their owner's index the ids whose record is gone.
 """
 
 from __future__ import annotations

@@ -1,21 +1,24 @@
 """The Files API: ``/v1/files``, in OpenAI's format, for batch input and output files.
 
-Upload (purpose ``batch`` only, as ``multipart/form-data``), retrieve, download and
-delete (no listing: a 400 says so); a file is seen only with the key that made it
-(another key's, or an id that does not exist, is the same 404). An upload is checked as
-it is stored: at most ``max_file_bytes`` (counted on the bytes received, chunked or
-not: the body is cut off past the file's limit and a little form, having buffered no
-more), :data:`MAX_BATCH_LINES` lines, and JSONL (some line is a JSON object); a file
-that is not is refused here, not after a batch has been queued on it. The file part is
-spooled to a temporary file, then copied in chunks. Each line is judged when the batch
-runs. Files expire (``expires_after``: ``created_at`` plus 1 hour to 30 days; 30 days
-by default).
+Upload (purpose ``batch`` only, as ``multipart/form-data``), list, retrieve, download
+and delete; a file is seen and listed only with the key that made it (another key's, or
+an id that does not exist, is the same 404). Each key's files are listed from its index
+(:func:`~batchd.producers.gateway.store.file_index`), which holds the newest
+:data:`MAX_INDEXED_FILES` and drops entries as their records are found expired. An
+upload is checked as it is stored: at most ``max_file_bytes`` (counted on the bytes
+received, chunked or not: the body is cut off past the file's limit and a little form,
+having buffered no more), :data:`MAX_BATCH_LINES` lines, and JSONL (some line is a JSON
+object); a file that is not is refused here, not after a batch has been queued on it.
+The file part is spooled to a temporary file, then copied in chunks. Each line is judged
+when the batch runs. Files expire (``expires_after``: ``created_at`` plus 1 hour to 30
+days; 30 days by default).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, Any
 
 import orjson
@@ -36,6 +39,7 @@ from batchd.producers.gateway.store import (
     OWNER,
     encode,
     expiring,
+    file_index,
     file_key,
     file_name,
     file_record,
@@ -50,6 +54,10 @@ MAX_BATCH_LINES = 50_000
 # What an upload's body may hold besides its file part (the form's fields and headers).
 FORM_ALLOWANCE = 1 << 20
 COPY_CHUNK = 1 << 20
+# OpenAI's bound (and default) of a file listing's page; the newest files a key's index
+# keeps (an older one is still retrieved by id, not listed).
+MAX_LISTED = 10_000
+MAX_INDEXED_FILES = 100_000
 _WRITE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -183,7 +191,8 @@ class Files:
             size = await run_in_threadpool(
                 store_batch_file, upload.file, self.files, file_name(file_id), self.max_file_bytes
             )
-        created = int(time.time())
+        now = time.time()
+        created = int(now)
         record = file_record(
             file_id,
             filename=filename,
@@ -196,18 +205,48 @@ class Files:
         await self.redis.hset(key, mapping=encode({**record, OWNER: owner}))  # type: ignore[arg-type]
         await self.redis.expireat(key, created + lifetime)
         await self.redis.zadd(expiring(self.keys), {file_name(file_id): created + lifetime})
+        index = file_index(self.keys, owner)
+        await self.redis.zadd(index, {file_id: now})
+        await self._trim(index)
         return JSONResponse(record)
 
+    async def _trim(self, index: str) -> None:
+        """Bound a key's index: no file outlives :data:`MAX_EXPIRY_S`, and it keeps the
+        newest :data:`MAX_INDEXED_FILES`."""
+        await self.redis.zremrangebyscore(index, "-inf", time.time() - MAX_EXPIRY_S)
+        await self.redis.zremrangebyrank(index, 0, -MAX_INDEXED_FILES - 1)
+
     async def listing(self, request: Request) -> Response:
-        """Files keep no per-key index: listing them is refused, as a 400 that says so (a
-        405 would read as a client bug); a batch names its files."""
-        self.guard.owner(request)
-        raise APIError(
-            400,
-            "listing files is not supported by batchd: keep the ids uploads return (a "
-            "batch's record names its input, output and error files)",
-            code="unsupported_endpoint",
+        """The key's files in OpenAI's list shape: ``order`` by creation (``desc`` by
+        default), ``limit`` (1 to 10,000, default 10,000) after the id ``after``, of one
+        ``purpose`` when given."""
+        owner = self.guard.owner(request)
+        query = request.query_params
+        limit = page_limit(query.get("limit"), default=MAX_LISTED, most=MAX_LISTED)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", "must be 'asc' or 'desc'")
+        purpose = query.get("purpose")
+        index = file_index(self.keys, owner)
+        await self._trim(index)
+
+        async def fetch(ids: list[str]) -> list[dict[str, Any] | None]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for file_id in ids:
+                    pipe.hgetall(file_key(self.keys, file_id))
+                found = [owned(raw, owner) for raw in await pipe.execute()]
+            return [r if r is None or purpose in (None, r["purpose"]) else {} for r in found]
+
+        page = await list_page(
+            self.redis,
+            index,
+            fetch,
+            after=query.get("after"),
+            limit=limit,
+            desc=order == "desc",
+            missing=lambda after: not_found("file", after, param="after", code="file_not_found"),
         )
+        return JSONResponse(page)
 
     async def record(self, file_id: str, owner: str, *, param: str = "file_id") -> dict[str, Any]:
         """The file record; 404 when it does not exist, has expired or is another key's."""
@@ -238,6 +277,7 @@ class Files:
         await self.redis.delete(file_key(self.keys, file_id))
         await run_in_threadpool(self.files.remove, file_name(file_id))
         await self.redis.zrem(expiring(self.keys), file_name(file_id))
+        await self.redis.zrem(file_index(self.keys, owner), file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -249,3 +289,61 @@ def _purpose_and_lifetime(form: FormData) -> tuple[str, int]:
     if anchor is None and seconds is None:
         return purpose, DEFAULT_EXPIRY_S
     return purpose, expiry_seconds(anchor, seconds, param="expires_after")
+
+
+def page_limit(text: str | None, *, default: int, most: int) -> int:
+    """A listing's ``limit`` query parameter: an integer from 1 to ``most``."""
+    if text is None:
+        return default
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise invalid("limit", f"must be an integer from 1 to {most}")
+    return int(text)
+
+
+async def list_page(
+    redis: aioredis.Redis,
+    index: str,
+    fetch: Callable[[list[str]], Awaitable[Sequence[dict[str, Any] | None]]],
+    *,
+    after: str | None,
+    limit: int,
+    desc: bool,
+    missing: Callable[[str], APIError],
+) -> dict[str, Any]:
+    """One page of an owner's index (a sorted set of ids by creation), in OpenAI's list
+    shape. ``fetch`` gives each id's object: None when its record is gone (the id leaves
+    the index), empty when it is filtered out. ``after`` not in the index: ``missing``."""
+    start = 0
+    if after is not None:
+        rank = await (redis.zrevrank(index, after) if desc else redis.zrank(index, after))
+        if not isinstance(rank, int):
+            raise missing(after)
+        start = rank + 1
+    data: list[dict[str, Any]] = []
+    stale: list[str] = []
+    more = False
+    while not more:
+        raw = await redis.zrange(index, start, start + limit, desc=desc)
+        if not raw:
+            break
+        start += len(raw)
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in raw]
+        for item_id, item in zip(ids, await fetch(ids), strict=True):
+            if item is None:
+                stale.append(item_id)
+            elif not item:
+                continue
+            elif len(data) == limit:
+                more = True
+                break
+            else:
+                data.append(item)
+    if stale:
+        await redis.zrem(index, *stale)
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }

@@ -1,17 +1,19 @@
 """Where the Batch API keeps its files and batches: bytes on disk, records in Redis.
 
 A file's bytes live in ``files_dir/<file id>.jsonl`` (the bulk files folder, which the
-gateway and the bulk worker share: same host or a shared mount), its record in the
-hash ``<prefix>:gateway:file:<id>``. A batch is the hash ``<prefix>:gateway:batch:<id>``
-(the OpenAI batch object's fields, JSON-encoded values) and runs as the rq job of the
-same id; ``<prefix>:gateway:batch:<id>:stop`` exists once it is cancelled.
+gateway and the bulk worker share: same host or a shared mount), its record in the hash
+``<prefix>:gateway:file:<id>``, its id in its owner's index
+``<prefix>:gateway:files:<owner>`` (for listing). A batch is the hash
+``<prefix>:gateway:batch:<id>`` (the OpenAI batch object's fields, JSON-encoded values)
+and runs as the rq job of the same id; ``<prefix>:gateway:batch:<id>:stop`` exists once
+it is cancelled.
 
-Every record carries its owner, the key id of the API key that made it (a digest,
-never the key), and a batch its secret (which makes its jobs' ids unguessable); neither
-is ever answered. Ids are random (``secrets``), so no key can guess another's. Files
-expire (OpenAI's ``expires_after``: 30 days for batch files unless asked otherwise):
-their record has a Redis TTL, their bytes are listed in ``<prefix>:gateway:expiring``
-for the sweep (:mod:`batchd.producers.gateway.expiry`). Sync and async code share these.
+Every record carries its owner, the key id of the API key that made it (a digest, never
+the key), and a batch its secret (which makes its jobs' ids unguessable); neither is
+ever answered. Ids are random (``secrets``), so no key can guess another's. Files expire
+(OpenAI's ``expires_after``: 30 days for batch files unless asked otherwise): their
+record has a Redis TTL, their bytes are listed in ``<prefix>:gateway:expiring`` for the
+sweep (:mod:`batchd.producers.gateway.expiry`). Sync and async code share these.
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ def batch_key(keys: Keys, batch_id: str) -> str:
 def batch_index(keys: Keys, owner: str) -> str:
     """Sorted set of one owner's batch ids by creation time (for ``GET /v1/batches``)."""
     return keys.gateway_batches(owner)
+
+
+def file_index(keys: Keys, owner: str) -> str:
+    """Sorted set of one owner's file ids (inputs and batch outputs) by creation time, for
+    ``GET /v1/files``: entries leave on delete, and when read after their record expired."""
+    return keys.gateway_files(owner)
 
 
 def expiring(keys: Keys) -> str:

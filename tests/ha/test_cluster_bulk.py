@@ -139,7 +139,8 @@ def test_a_batch_belongs_to_its_key_on_the_cluster(
     served: ClusterDeployment, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """As on one Redis (test_gateway_batches.test_files_and_batches_belong_to_their_key):
-    another API key can neither read, list nor cancel a key's batch, nor read its file."""
+    another API key can neither read, list nor cancel a key's batch, nor read or list its
+    files."""
     options = GatewayOptions(
         api_keys=["sk-a", "sk-b"], files_dir=tmp_path / "files", rq_redis_url=redis_server.url
     )
@@ -166,6 +167,13 @@ def test_a_batch_belongs_to_its_key_on_the_cluster(
         with pytest.raises(openai.NotFoundError):
             b.files.content(batch.input_file_id)
         assert b.batches.list().data == [] and [x.id for x in a.batches.list().data] == [batch.id]
+        # Each key's file index is a key of its own slot: listed on the cluster as on one
+        # Redis, and another key's index holds none of a key's files.
+        with source.open("rb") as upload:
+            second = b.files.create(file=upload, purpose="batch")
+        assert [f.id for f in a.files.list().data] == [file.id]
+        assert [f.id for f in b.files.list().data] == [second.id]
+        assert b.files.delete(second.id).deleted and b.files.list().data == []
         assert a.batches.retrieve(batch.id).id == batch.id
         assert a.batches.cancel(batch.id).status == "cancelling"
         a.close()

@@ -9,18 +9,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import orjson
 import pytest
 import redis
+from rq.job import JobStatus
 from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
 
-from batchd.producers.bulk import run_bulk, stage_run
+from batchd.producers.bulk import ABANDONED_RETRIES, run_bulk, stage_run
 from batchd.producers.bulk_files import FilesDir
-from batchd.producers.bulk_worker import bulk_worker, rq_queue
+from batchd.producers.bulk_worker import SafeJob, bulk_worker, rq_queue
 from batchd.producers.gateway import batches
 from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.store import key_id
 from support.daemon_harness import wait_until
+
+API_KEY = "sk-test-gateway"  # the module gateway's (conftest.API_KEY)
 
 MODEL = "tiny"
 
@@ -201,11 +207,202 @@ def test_the_files_api_refuses_what_it_cannot_do_in_openais_shape(
     gateway: Any, oai: openai.OpenAI
 ) -> None:
     """An upload must be a form (a JSON body is refused for its content type, not for a
-    missing purpose), and listing files is a 400 that says it is not supported."""
+    missing purpose) of purpose ``batch`` (the only one batchd serves)."""
     with pytest.raises(openai.BadRequestError) as caught:
         oai.post("/files", body={"purpose": "batch"}, cast_to=object)
     assert caught.value.code == "unsupported_content_type"
     assert "multipart/form-data" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
-        oai.files.list()
-    assert caught.value.code == "unsupported_endpoint" and "listing files" in caught.value.message
+        oai.files.create(file=("in.jsonl", b"{}\n"), purpose="fine-tune")
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "purpose"
+
+
+FILE_FIELDS = {"id", "object", "bytes", "created_at", "expires_at", "filename", "purpose", "status"}
+BATCH_TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at")
+BATCH_FIELDS = {
+    *("id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status"),
+    *("output_file_id", "error_file_id", "created_at", "expires_at", "request_counts"),
+    *(*BATCH_TIMES, "cancelling_at", "cancelled_at", "metadata"),
+}
+
+
+def http(gateway: Any, key: str = API_KEY) -> httpx.Client:
+    """Raw HTTP on the gateway: what a client other than the SDK reads (every field)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.Client(base_url=gateway.base_url, headers=headers, timeout=30)
+
+
+def test_file_and_batch_objects_carry_every_field_openai_answers(gateway: Any) -> None:
+    """A batch object names all its timestamps from the start (null until reached), as
+    OpenAI's does; a file's bytes come back exactly as uploaded; delete answers OpenAI's
+    deletion object. Before the fix a new batch had no ``in_progress_at``...``cancelled_at``
+    keys at all (raw clients that index them failed)."""
+    data = orjson.dumps(chat_line("f", "exact bytes", max_tokens=2)) + b"\r\n\n"
+    with http(gateway) as client:
+        upload = client.post(
+            "/files", files={"file": ("mine.jsonl", data)}, data={"purpose": "batch"}
+        ).json()
+        assert set(upload) == FILE_FIELDS, upload
+        assert (upload["object"], upload["bytes"], upload["filename"]) == (
+            "file",
+            len(data),
+            "mine.jsonl",
+        )
+        assert upload["purpose"] == "batch" and upload["expires_at"] > upload["created_at"]
+        assert client.get(f"/files/{upload['id']}").json() == upload
+        assert client.get(f"/files/{upload['id']}/content").content == data
+        body = {
+            "input_file_id": upload["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        made = client.post("/batches", json=body).json()
+        assert set(made) - {"notice"} == BATCH_FIELDS, made
+        assert made["object"] == "batch" and made["status"] == "validating"
+        assert all(made[name] is None for name in (*BATCH_TIMES, "cancelling_at", "cancelled_at"))
+        assert made["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+        run_worker(gateway)
+        done = client.get(f"/batches/{made['id']}").json()
+        assert set(done) - {"notice"} == BATCH_FIELDS and done["status"] == "completed", done
+        times = [done["created_at"], *(done[name] for name in BATCH_TIMES[:3])]
+        assert times == sorted(times), done  # validating -> in_progress -> finalizing -> done
+        assert (done["failed_at"], done["expired_at"], done["cancelled_at"]) == (None,) * 3
+        assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+        output = client.get(f"/files/{done['output_file_id']}").json()
+        assert set(output) == FILE_FIELDS and output["purpose"] == "batch_output"
+        line = orjson.loads(client.get(f"/files/{output['id']}/content").content)
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
+        assert set(line["response"]) == {"status_code", "request_id", "body"}
+        assert line["custom_id"] == "f" and line["response"]["status_code"] == 200
+        deleted = client.delete(f"/files/{upload['id']}")
+        assert deleted.json() == {"id": upload["id"], "object": "file", "deleted": True}
+        gone = client.get(f"/files/{upload['id']}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "file_not_found"
+
+
+def test_batch_create_refuses_what_openai_refuses(gateway: Any, oai: openai.OpenAI) -> None:
+    """Unknown input file (404), another endpoint, another window, metadata past
+    OpenAI's bounds (16 pairs, keys 64, values 512 characters); metadata at them is kept.
+    A finished batch cannot be cancelled (409, as OpenAI)."""
+    upload = oai.files.create(
+        file=("in.jsonl", orjson.dumps(chat_line("m", "x", max_tokens=1))), purpose="batch"
+    )
+    good = {"input_file_id": upload.id, "endpoint": "/v1/chat/completions"}
+
+    def create(**change: Any) -> Any:
+        return oai.batches.create(**{**good, "completion_window": "24h", **change})
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        create(input_file_id="file-nope")
+    assert isinstance(missing.value.body, dict) and missing.value.body["param"] == "input_file_id"
+    refused = [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "48h"}, "completion_window"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+    ]
+    for change, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(**change)
+        assert isinstance(caught.value.body, dict) and caught.value.body["param"] == param, change
+    widest = {**{f"k{i}": "v" for i in range(15)}, "k" * 64: "v" * 512}
+    batch = create(metadata=widest)
+    assert batch.metadata == widest and oai.batches.retrieve(batch.id).metadata == widest
+    run_worker(gateway)
+    assert oai.batches.retrieve(batch.id).status == "completed"
+    with pytest.raises(openai.ConflictError):
+        oai.batches.cancel(batch.id)
+
+
+def test_files_are_listed_per_key_in_openais_shape(gateway: Any, start_gateway: Any) -> None:
+    """``GET /v1/files``: newest first by default, ``order``, ``limit``, the ``after``
+    cursor (the SDK pages through it), ``purpose``; a batch's output file is listed with
+    its owner's files; another key lists none of them; deleted and expired files leave
+    the index. Before the fix every listing was a 400 (``unsupported_endpoint``)."""
+    keys = ["sk-list-a", "sk-list-b"]
+    options = GatewayOptions(api_keys=keys, files_dir=gateway.options.files_dir)
+    with start_gateway(gateway.redis_url, options) as gw:
+        a, b = (openai.OpenAI(base_url=gw.base_url, api_key=k, max_retries=0) for k in keys)
+        line = orjson.dumps(chat_line("l", "listed", max_tokens=1))
+        inputs = [a.files.create(file=(f"{i}.jsonl", line), purpose="batch").id for i in range(3)]
+        b_file = b.files.create(file=("b.jsonl", line), purpose="batch").id
+        batch = a.batches.create(
+            input_file_id=inputs[0], endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        run_worker(gateway)
+        output = a.batches.retrieve(batch.id).output_file_id
+        assert output is not None
+        newest = [output, *inputs[::-1]]
+        assert [f.id for f in a.files.list().data] == newest
+        assert [f.id for f in a.files.list(limit=1)] == newest  # the SDK follows ``after``
+        assert [f.id for f in a.files.list(order="asc").data] == newest[::-1]
+        assert [f.id for f in a.files.list(purpose="batch_output").data] == [output]
+        assert [f.id for f in a.files.list(purpose="batch").data] == inputs[::-1]
+        with http(gw, keys[0]) as client:
+            page = client.get("/files", params={"limit": 2}).json()
+            assert set(page) == {"object", "data", "first_id", "last_id", "has_more"}
+            assert page["object"] == "list" and page["has_more"] is True
+            assert [f["id"] for f in page["data"]] == newest[:2]
+            assert (page["first_id"], page["last_id"]) == (newest[0], newest[1])
+            assert all(set(f) == FILE_FIELDS for f in page["data"])
+            rest = client.get("/files", params={"after": page["last_id"]}).json()
+            assert [f["id"] for f in rest["data"]] == newest[2:] and not rest["has_more"]
+            oldest = client.get("/files", params={"order": "asc", "after": newest[-1]}).json()
+            assert [f["id"] for f in oldest["data"]] == newest[-2::-1]
+            for bad in ({"limit": 0}, {"limit": 10001}, {"order": "up"}):
+                refused = client.get("/files", params=bad)
+                assert refused.status_code == 400 and refused.json()["error"]["param"] in bad
+            unknown = client.get("/files", params={"after": b_file})
+            assert unknown.status_code == 404
+        assert [f.id for f in b.files.list().data] == [b_file]
+        with pytest.raises(openai.NotFoundError):
+            b.files.retrieve(inputs[1])
+        assert a.files.delete(inputs[1]).deleted
+        conn = redis.Redis.from_url(gateway.redis_url)
+        conn.delete(f"batchd:gateway:file:{inputs[2]}")  # as its TTL would
+        assert [f.id for f in a.files.list().data] == [output, inputs[0]]
+        index = conn.zrange(f"batchd:gateway:files:{key_id(keys[0])}", 0, -1)
+        assert sorted(i.decode() for i in index) == sorted([output, inputs[0]])
+        conn.close()
+
+
+def test_a_batch_with_malformed_lines_fails_validation_as_openais(
+    gateway: Any, oai: openai.OpenAI
+) -> None:
+    """OpenAI accepts the upload and fails the batch while ``validating``: every line that
+    is no JSON object, repeats a custom_id or names another url than the batch's endpoint
+    is one ``errors.data`` entry (line, param, code), at once (no rq retry), and no
+    request runs. Before the fix
+    each became an error line and the others ran (status ``completed``)."""
+    good = chat_line("same", "x", max_tokens=1)
+    other = {**chat_line("text", "x"), "url": "/v1/completions"}
+    lines = [orjson.dumps(line) for line in (good, good, other)]
+    lines += [b'{"custom_id": "broken", ', b"[1, 2]", b'{"custom_id": "utf", "x": "\xff"}']
+    lines.append(b'{"custom_id": "deep", "body": ' + b"[" * 2000 + b"]" * 2000 + b"}")
+    conn = redis.Redis.from_url(gateway.redis_url)
+    added = int(conn.xinfo_stream("batchd:queue:default")["entries-added"])
+    upload = oai.files.create(file=("bad.jsonl", b"\n".join(lines) + b"\n"), purpose="batch")
+    batch = oai.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    run_worker(gateway)
+    failed = oai.batches.retrieve(batch.id)
+    assert failed.status == "failed" and failed.failed_at is not None, failed
+    assert failed.in_progress_at is None and failed.output_file_id is None
+    assert failed.request_counts is not None and failed.request_counts.total == 0
+    assert failed.errors is not None and failed.errors.data is not None
+    found = [(e.line, e.code, e.param) for e in failed.errors.data]
+    assert found == [
+        (2, "duplicate_custom_id", "custom_id"),
+        (3, "invalid_url", "url"),
+        (4, "invalid_json_line", None),
+        (5, "invalid_json_line", None),
+        (6, "invalid_json_line", None),
+        (7, "invalid_json_line", None),  # nested past orjson's limit
+    ]
+    assert all(e.message for e in failed.errors.data)
+    assert int(conn.xinfo_stream("batchd:queue:default")["entries-added"]) == added
+    runner = SafeJob.fetch(batch.id, connection=conn, serializer=JSONSerializer)
+    assert runner.get_status() == JobStatus.FINISHED and runner.retries_left == ABANDONED_RETRIES
+    conn.close()
