@@ -53,4 +53,6 @@ def test_following_a_job_that_does_not_exist_ends(redis_server: RedisServer) -> 
     started = time.monotonic()
     with pytest.raises(JobNotFound):
         producer.result("no-such-job", timeout=30)
-    assert time.monotonic() - started < 5
+    # Ended by missing_timeout_s (0.5 s), not by the 30 s result timeout: the bound leaves
+    # a loaded host room and still tells them apart.
+    assert time.monotonic() - started < 10

@@ -10,6 +10,7 @@ import sys
 
 from batchd.daemon.fleet.heartbeat import EXIT_STALLED
 from faults.checks import KEYS, assert_all_done_once, fake_jobs
+from faults.wedged_daemon import STALL_TIMEOUT_S
 from support.daemon_harness import (
     ROOT,
     FakeGenerator,
@@ -37,8 +38,12 @@ def test_a_stalled_daemon_exits_and_its_jobs_are_taken_over(redis_server: RedisS
         wait_until(lambda: client.exists(KEYS.daemon("wedged")) == 1, timeout=30, what="start")
         for job in jobs:
             enqueue(client, KEYS, job)
-        wait_until(lambda: client.xlen(KEYS.events("wedge0")) >= 3, what="tokens, then the stall")
-        settings = fast_settings(redis_server.url, stall_timeout_s=1.0)
+        wait_until(
+            lambda: client.xlen(KEYS.events("wedge0")) >= 3,
+            timeout=30,
+            what="tokens, then the stall",
+        )
+        settings = fast_settings(redis_server.url, stall_timeout_s=STALL_TIMEOUT_S)
         with worker_thread(settings, FakeGenerator, consumer="healthy"):
             assert wedged.wait(30) == EXIT_STALLED
             assert_all_done_once(client, jobs)

@@ -13,6 +13,11 @@ from batchd.daemon.worker.loop import Worker
 from batchd.engine.outputs import RequestOutput
 from support.daemon_harness import FakeGenerator, fast_settings
 
+# Work and no completed step for this long is a stall. Seconds, not less: a loaded host
+# may hold a healthy step (and its publish) for a good part of a second, and the healthy
+# daemon of the test, in the test's own process, obeys the same rule.
+STALL_TIMEOUT_S = 3.0
+
 
 @dataclass
 class WedgedGenerator(FakeGenerator):
@@ -27,7 +32,7 @@ class WedgedGenerator(FakeGenerator):
 
 def main(url: str, consumer: str, steps: int) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    settings = fast_settings(url, stall_timeout_s=1.0)
+    settings = fast_settings(url, stall_timeout_s=STALL_TIMEOUT_S)
     Worker(settings, WedgedGenerator(step_delay_s=0.01, steps_left=steps), consumer=consumer).run()
 
 

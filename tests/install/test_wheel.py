@@ -40,6 +40,12 @@ NOT_SOURCE = shutil.ignore_patterns(
 )  # fmt: skip
 TOP_LEVEL_ONLY = {"docs", "tests", "site"}
 
+# Each step below has its own timeout (the wheel's build and each venv's install 600 s,
+# serve's start 120 s, the chaos run 400 s); the first test to need a venv also builds it.
+# pytest's default 300 s would end a loaded host's legitimate run first, without the
+# step's output: this outer bound only catches what no step's timeout does.
+pytestmark = pytest.mark.timeout(1200)
+
 
 def not_source(folder: str, names: list[str]) -> set[str]:
     ignored = set(NOT_SOURCE(folder, names))

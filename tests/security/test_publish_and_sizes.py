@@ -4,7 +4,6 @@ before anything parses it."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -25,7 +24,8 @@ def test_a_resent_append_stores_and_publishes_nothing_again(redis_server: RedisS
     client = redis_server.client()
     pubsub = client.pubsub()
     pubsub.subscribe(KEYS.tokens("j1"))
-    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    confirmed = pubsub.get_message(timeout=10)
+    assert confirmed is not None and confirmed["type"] == "subscribe", confirmed
     job = Job(job_id="j1", delivery=Delivery("default", "1-0", {}))
     for token in (5, 6, 7):
         job.add_token(token, f"{token} ")
@@ -40,10 +40,14 @@ def test_a_resent_append_stores_and_publishes_nothing_again(redis_server: RedisS
     assert append().outcome is Outcome.stored
     # The same step sent again (its reply was lost): the stream already holds it.
     assert append().outcome is Outcome.tip
-    time.sleep(0.2)
+    # A mark published after both appends: Redis delivers a channel's messages in the
+    # order it ran their commands, so all the appends published comes before it (no sleep
+    # that a loaded host could outlast).
+    client.publish(KEYS.tokens("j1"), b"mark")
     published = []
-    while (message := pubsub.get_message(timeout=0.2)) is not None:
+    while (message := pubsub.get_message(timeout=10)) is not None and message["data"] != b"mark":
         published.append(orjson.loads(message["data"])["seq"])
+    assert message is not None, f"the mark never came, after {published}"
     assert published == [0, 1, 2]
     assert client.xlen(KEYS.events("j1")) == 3
 

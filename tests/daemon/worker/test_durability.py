@@ -44,8 +44,11 @@ def _submit(url: str, jobs: list[dict[str, Any]]) -> None:
 
 
 def _check(
-    redis_server: RedisServer, expected: dict[str, list[int]], *, timeout: float = 60
+    redis_server: RedisServer, expected: dict[str, list[int]], *, timeout: float = 180
 ) -> None:
+    """Every job finished with exactly the reference's tokens, and acked. ``timeout`` only
+    ends a run whose jobs never finish: real generation on a loaded 2-core host runs
+    several times slower than on an idle one (24 jobs took over 60 s at load 14)."""
     client = redis_server.client()
     done = wait_final(client, KEYS, list(expected), timeout=timeout)
     for job_id, tokens in expected.items():
@@ -259,7 +262,7 @@ def test_second_daemon_takes_over_only_after_the_heartbeat_expires(
     ]
     assert unfinished, "the victim should die holding running jobs"
     try:
-        _check(redis_server, expected, timeout=90)
+        _check(redis_server, expected)
         # Not before the victim's heartbeat (TTL 0.5 s, refreshed every 0.1 s) expired.
         assert time.monotonic() - killed_at > 0.4
     finally:
@@ -285,10 +288,11 @@ def test_sigterm_exits_within_grace_and_restart_completes(
     wait_until(lambda: client.xlen(KEYS.events("s0")) >= 5, what="tokens flowing")
     stopped = time.monotonic()
     daemon.signal(signal.SIGTERM)
-    assert daemon.wait(10) == 0, daemon.log_tail()
-    # The grace period and its exit, not the ~10 s the jobs need to end (slack for a
-    # loaded host).
-    assert time.monotonic() - stopped < 0.2 + 4.0
+    assert daemon.wait(30) == 0, daemon.log_tail()
+    # The grace period and its exit, not the ~10 s the jobs need to end on an idle host
+    # (longer on a loaded one, which also slows the exit: hence the slack). The jobs left
+    # pending below are the proof that they were not waited for.
+    assert time.monotonic() - stopped < 0.2 + 8.0
     pending: Any = client.xpending_range(KEYS.queue(), CONSUMER_GROUP, "-", "+", 100)
     assert pending, "SIGTERM with a short grace period should leave jobs pending"
     # Handed back: claimable at once, and a graceful stop does not count toward poison.

@@ -2,7 +2,10 @@
 
 100,000 queued jobs (each a queue entry and a status hash, as a submit writes them) and
 10 daemons' heartbeats and consumers: one refresh (probe Redis, make the rates, render
-every section) must stay under 200 ms of server time. The figures are printed:
+every section) must stay under 200 ms of server time, counted as CPU time: this
+process's (the dashboard's threads) and redis-server's. A loaded host stretches a
+refresh's wall-clock time, not the work it does; a refresh that walked the queue would
+cost far more of either. The figures are printed:
 ``pytest tests/producers/dashboard/test_dashboard_load.py -s``.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from typing import Any
 
 import orjson
 import pytest
@@ -78,8 +82,8 @@ def fill(client: redis.Redis) -> None:
 
 
 async def measure(url: str) -> tuple[list[float], float, int]:
-    """Each refresh's seconds (probe + rates + render), the discovery walk's, and the
-    unread count the overview showed."""
+    """Each refresh's CPU seconds (probe + rates + render, with Redis's part), the
+    discovery walk's wall-clock seconds, and the unread count the overview showed."""
     client = aioredis.Redis.from_url(url)
     sync = redis.Redis.from_url(url)
     prober = Prober(client, KEYS, discovery_s=3600)
@@ -92,15 +96,21 @@ async def measure(url: str) -> tuple[list[float], float, int]:
     discovery = time.perf_counter() - started
     times = []
     for _ in range(REFRESHES):
-        started = time.perf_counter()
+        started, served = time.process_time(), redis_cpu_s(sync)
         overview = await sampler.tick()
         html = sections.render(overview, sampler.version, operator=True, root="")
         sections.render(overview, sampler.version, operator=False, root="")
-        times.append(time.perf_counter() - started)
+        times.append(time.process_time() - started + redis_cpu_s(sync) - served)
     assert f"host-{DAEMONS - 1}:{1000 + DAEMONS - 1}" in html["daemons"]
     await client.aclose()
     sync.close()
     return times, discovery, overview.unread
+
+
+def redis_cpu_s(client: redis.Redis) -> float:
+    """The CPU seconds redis-server has used so far."""
+    cpu: Any = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def test_an_overview_refresh_stays_under_200_ms_with_100k_queued_jobs(
@@ -116,9 +126,10 @@ def test_an_overview_refresh_stays_under_200_ms_with_100k_queued_jobs(
     keys = client.dbsize()
     print(
         f"\noverview refresh with {JOBS:,} queued jobs ({keys:,} keys), {DAEMONS} daemons: "
-        f"median {median * 1000:.1f} ms, max {worst * 1000:.1f} ms over {REFRESHES} refreshes "
+        f"median {median * 1000:.1f} ms, max {worst * 1000:.1f} ms of CPU (ours and Redis's) "
+        f"over {REFRESHES} refreshes "
         f"(both viewer kinds rendered); discovery walk {discovery * 1000:.0f} ms "
         f"(every 15 s, in the background); filled in {filled:.1f} s"
     )
-    assert median < BUDGET_S, f"median refresh {median * 1000:.0f} ms"
+    assert median < BUDGET_S, f"median refresh {median * 1000:.0f} ms of CPU"
     client.close()

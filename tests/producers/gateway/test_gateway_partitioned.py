@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
+
+from redis.cluster import RedisCluster
 
 from batchd.producers.aio import AsyncClient
 from batchd.producers.connection import is_cluster
@@ -21,6 +24,8 @@ from batchd.producers.schema import Event, FinishReason, JobState
 from support.partitions import PARTITIONS, Partitioned
 
 IDS = [f"g{i}" for i in range(12)]
+# The hub's blocked reads: far longer than any wait on a loaded host.
+BLOCK_S = 30
 
 
 def test_submits_land_in_their_partition_and_the_backlog_sums_them(
@@ -59,7 +64,10 @@ def test_the_hub_follows_every_partition_and_is_woken(partitioned: Partitioned) 
     async def main() -> tuple[dict[str, list[str]], float]:
         pooled = commands(partitioned.url, GatewayOptions())
         client = AsyncClient(pooled)
-        hub = Hub(reader(partitioned.url, block_ms=5000), pooled, client.layout, block_ms=5000)
+        block_ms = BLOCK_S * 1000
+        hub = Hub(
+            reader(partitioned.url, block_ms=block_ms), pooled, client.layout, block_ms=block_ms
+        )
         try:
             async with running(hub):
 
@@ -68,12 +76,15 @@ def test_the_hub_follows_every_partition_and_is_woken(partitioned: Partitioned) 
                         return [event.text or "" async for event in sub.events()]
 
                 tasks = {job_id: asyncio.ensure_future(follow(job_id)) for job_id in IDS}
-                deadline = time.monotonic() + 10  # the first layout read opens the cluster
+                deadline = time.monotonic() + 30  # the first layout read opens the cluster
                 while hub.followed < len(IDS) and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
-                await asyncio.sleep(0.3)  # every lane blocks (5 s) while nothing comes
                 assert hub.followed == len(IDS)
                 assert len(hub._lanes) == (PARTITIONS if partitioned.cluster else 1)
+                # Every lane's read is blocked in Redis while nothing comes.
+                while blocked_reads(admin) < len(hub._lanes) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert blocked_reads(admin) == len(hub._lanes)
                 started = time.monotonic()
                 for job_id in IDS:
                     for event in (
@@ -90,4 +101,14 @@ def test_the_hub_follows_every_partition_and_is_woken(partitioned: Partitioned) 
 
     texts, took = asyncio.run(main())
     assert texts == {job_id: [f"{job_id}-a", "end"] for job_id in IDS}
-    assert took < 2.0  # read as written, not at the end of a 5 s block
+    # Read as written, not at the end of the block: the block is long so that a loaded
+    # host's slowness cannot be mistaken for it.
+    assert took < BLOCK_S / 2, took
+
+
+def blocked_reads(admin: Any) -> int:
+    """Clients blocked in a read on the server (every node of a Cluster)."""
+    if not isinstance(admin, RedisCluster):
+        return int(admin.info("clients")["blocked_clients"])
+    info = admin.info("clients", target_nodes=RedisCluster.ALL_NODES)
+    return sum(int(node["blocked_clients"]) for node in info.values())
