@@ -3,19 +3,18 @@
 A request is read into the chat completion it amounts to (:func:`as_chat`) and mapped,
 checked and submitted as one (:class:`~batchd.producers.gateway.online.Online`):
 
-- ``input``: a string (one user message) or a list of items: messages (``role`` user,
-  system, developer or assistant; ``content`` a string or ``input_text`` /
-  ``output_text`` parts), an earlier answer's ``function_call`` items and the
-  ``function_call_output`` items that answer them; ``instructions`` is a system message
-  in front;
-- ``max_output_tokens``, ``temperature``, ``top_p``, ``metadata``, ``user``,
-  ``text.format`` (``text``, ``json_object``, ``json_schema``: the output held to the
-  schema), ``tools`` (functions), ``tool_choice``, ``parallel_tool_calls``, ``stream``,
-  and batchd's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
-  ``priority``, ``seed``).
+- ``input`` (:mod:`.inputs`); ``instructions`` is a system message in front;
+- ``include`` and ``top_logprobs`` (logprobs), ``reasoning`` (none), ``metadata``
+  (:mod:`.fields`);
+- ``max_output_tokens``, ``temperature``, ``top_p``, ``user``,
+  ``text.format`` (``text``, ``json_object``, ``json_schema`` with its ``name``, as
+  OpenAI requires: the output held to the schema), ``tools`` (functions),
+  ``tool_choice``, ``parallel_tool_calls``, ``stream``, and batchd's sampling extras
+  (``top_k``, ``min_p``, ``repetition_penalty``, ``priority``, ``seed``).
 
 Nothing is stored: ``store: true``, ``previous_response_id``, ``conversation``,
-``background`` and the rest are refused with a 400 naming the parameter. The answer is
+``background``, ``prompt`` (a stored template) and the rest are refused with a 400 naming
+the parameter, as is ``truncation: "auto"``. The answer is
 OpenAI's response object, or its stream of events
 (:mod:`batchd.producers.gateway.responses.shapes`).
 """
@@ -31,9 +30,15 @@ from starlette.responses import JSONResponse, Response
 from batchd.producers.gateway.errors import APIError, invalid, unsupported
 from batchd.producers.gateway.online import Online, read_json
 from batchd.producers.gateway.params import EXTRAS, Mapped, chat_request
+from batchd.producers.gateway.responses.fields import (
+    check_metadata,
+    check_reasoning,
+    echoed,
+    logprobs_asked,
+)
+from batchd.producers.gateway.responses.inputs import input_messages
 from batchd.producers.gateway.responses.shapes import ResponseShaper, stream_events
 from batchd.producers.gateway.stream import EventStream
-from batchd.producers.gateway.tools.messages import content_text
 from batchd.producers.result import FAILED_REASONS
 
 ROUTE = "/v1/responses"
@@ -41,15 +46,15 @@ ROUTE = "/v1/responses"
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "store": lambda v: v in (None, False),
     "background": lambda v: v in (None, False),
-    "include": lambda v: not v,
     "service_tier": lambda v: v in (None, "auto", "default"),
     "truncation": lambda v: v in (None, "disabled"),
-    "top_logprobs": lambda v: v in (None, 0),
-    "reasoning": lambda v: v is None,
     "max_tool_calls": lambda v: v is None,
     "safety_identifier": lambda v: v is None or isinstance(v, str),
-    # batchd's prefix cache needs no key
+    # batchd's prefix cache needs no key, and lives in memory
     "prompt_cache_key": lambda v: v is None or isinstance(v, str),
+    "prompt_cache_retention": lambda v: v in (None, "in_memory"),
+    "prompt": lambda v: v is None,
+    "context_management": lambda v: not v,
     "stream_options": lambda v: v is None or set(v) <= {"include_obfuscation"},
     "user": lambda v: v is None or isinstance(v, str),
 }
@@ -59,7 +64,9 @@ WHY = {
     "conversation in input",
     "conversation": "is not supported: batchd keeps no conversations",
     "background": "is not supported",
-    "include": "is not supported",
+    "prompt": "is not supported: batchd keeps no prompt templates; send instructions and input",
+    "truncation": "other than 'disabled' is not supported: a prompt too long for the model "
+    "is refused",
     "safety_identifier": "must be a string",
     "prompt_cache_key": "must be a string",
     "user": "must be a string",
@@ -81,9 +88,11 @@ class Responses:
     async def create(self, request: Request) -> Response:
         self.online.guard.owner(request)  # 401 before a byte of the body is read
         body = await read_json(self.online.guard, request)
-        echo = echoed(body)
         job = await self.online.submit(request, lambda: mapped(body))
-        shaper = ResponseShaper(job.handle.id, job.model, echo, tools=job.mapped.tools)
+        top = job.mapped.top_logprobs if job.mapped.logprobs else None
+        shaper = ResponseShaper(
+            job.handle.id, job.model, echoed(body), tools=job.mapped.tools, logprobs=top
+        )
         if job.mapped.stream:
             return self._stream(job, shaper)
         try:
@@ -114,22 +123,6 @@ class Responses:
             on_gone=cancel,
             on_close=lambda: self.online.guard.release(job.caller),
         )
-
-
-def echoed(body: dict[str, Any]) -> dict[str, Any]:
-    """What the response object repeats of its request (read before mapping pops it)."""
-    return {
-        "instructions": body.get("instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": body.get("metadata") or {},
-        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-        "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0),
-        "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [],
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "user": body.get("user"),
-    }
 
 
 def mapped(body: dict[str, Any]) -> Mapped:
@@ -166,6 +159,11 @@ def as_chat(body: dict[str, Any]) -> dict[str, Any]:
     chat["messages"] = messages
     if "max_output_tokens" in body:
         chat["max_completion_tokens"] = body.pop("max_output_tokens")
+    top = body.pop("top_logprobs", None)
+    if logprobs_asked(body.pop("include", None), top):
+        chat.update(logprobs=True, top_logprobs=top)
+    check_reasoning(body.pop("reasoning", None))
+    check_metadata(body.get("metadata"))
     for name in ("temperature", "top_p", "stream", "metadata", "parallel_tool_calls", *EXTRAS):
         if name in body:
             chat[name] = body.pop(name)
@@ -197,67 +195,6 @@ def _refuse_the_rest(body: dict[str, Any]) -> None:
         )
 
 
-def input_messages(raw: Any) -> list[dict[str, Any]]:
-    """``input`` as chat messages: consecutive function calls become one assistant message
-    with several ``tool_calls``."""
-    if isinstance(raw, str):
-        return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
-        raise invalid("input", "must be a string or a non-empty list of items")
-    messages: list[dict[str, Any]] = []
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise invalid(where, "must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append(_message(item, where))
-        elif kind == "function_call":
-            call = _function_call(item, where)
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append(_call_output(item, where))
-        else:
-            raise unsupported(f"{where}.type", f"{kind!r} items are not supported")
-    return messages
-
-
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = item.get("role")
-    if role not in ("user", "system", "developer", "assistant"):
-        raise invalid(f"{where}.role", f"unknown role {role!r}")
-    extra = set(item) - {"type", "role", "content", "id", "status"}
-    if extra:
-        raise unsupported(f"{where}.{sorted(extra)[0]}")
-    text = content_text(
-        item.get("content"), where, part_types=("input_text", "output_text", "text")
-    )
-    return {"role": role, "content": text}
-
-
-def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    name, call_id = item.get("name"), item.get("call_id")
-    if not isinstance(name, str) or not isinstance(call_id, str):
-        raise invalid(where, "a function_call item needs name and call_id")
-    arguments = item.get("arguments", "{}")
-    if not isinstance(arguments, str):
-        raise invalid(f"{where}.arguments", "must be a JSON string")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
-    call_id, output = item.get("call_id"), item.get("output")
-    if not isinstance(call_id, str):
-        raise invalid(f"{where}.call_id", "must be the id of the call it answers")
-    if not isinstance(output, str):
-        output = content_text(output, where, part_types=("input_text", "output_text", "text"))
-    return {"role": "tool", "tool_call_id": call_id, "content": output}
-
-
 def text_format(text: Any) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``."""
     if text is None:
@@ -276,6 +213,13 @@ def text_format(text: Any) -> dict[str, Any] | None:
     if spec.get("type") == "json_schema":
         if not isinstance(spec.get("schema"), dict):
             raise invalid("text.format.schema", "a json_schema format needs its schema")
+        if not isinstance(spec.get("name"), str):  # required by OpenAI (and its SDK's types)
+            raise APIError(
+                400,
+                "Missing required parameter: 'text.format.name'.",
+                param="text.format.name",
+                code="missing_required_parameter",
+            )
         return {"type": "json_schema", "json_schema": {"schema": spec["schema"]}}
     raise unsupported("text.format", "supports the types text, json_object and json_schema")
 

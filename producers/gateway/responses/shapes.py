@@ -4,7 +4,10 @@ A response's id is ``resp_<job id>``, its message item's ``msg_<job id>``. Its o
 a message (``output_text``, when there is text) and one ``function_call`` item per tool
 call. A job that ran out of ``max_output_tokens`` is ``incomplete`` (reason
 ``max_output_tokens``). ``usage.input_tokens_details.cached_tokens`` is the daemon's
-prefix-cache count when it reports one, else 0 (the field is required).
+prefix-cache count when it reports one, else 0, and ``cache_write_tokens`` 0 (the daemon
+counts none; both fields are required). With ``include``
+``message.output_text.logprobs`` the ``output_text`` part carries each token's logprobs
+(a stop token left out), streamed with each delta.
 
 Streamed (``stream: true``), the events are OpenAI's, each with its ``sequence_number``:
 ``response.created``, ``response.in_progress``, then for the text
@@ -26,7 +29,14 @@ import orjson
 from batchd.producers.gateway.errors import APIError, redis_failure
 from batchd.producers.gateway.params import Mapped
 from batchd.producers.gateway.refusals import failed
-from batchd.producers.gateway.shapes import CHAT, cached_tokens
+from batchd.producers.gateway.shapes import (
+    CHAT,
+    alternatives,
+    cached_tokens,
+    content_tokens,
+    token_bytes,
+    token_text,
+)
 from batchd.producers.gateway.stream import KEEPALIVE
 from batchd.producers.gateway.tools.calls import Call, ContentGate, ToolUse, call_id, parse_calls
 from batchd.producers.result import FAILED_REASONS
@@ -36,12 +46,25 @@ if TYPE_CHECKING:
     from batchd.producers.gateway.online import Online, Submitted
 
 
+# The codes of a failed response's error that apply to a text model (OpenAI's set is these,
+# and image and policy codes).
+ERROR_CODES = {"server_error", "rate_limit_exceeded", "invalid_prompt"}
+
+
 class ResponseShaper:
     """Builds one request's response object and stream events."""
 
     def __init__(
-        self, job_id: str, model: str, echo: dict[str, Any], *, tools: ToolUse | None
+        self,
+        job_id: str,
+        model: str,
+        echo: dict[str, Any],
+        *,
+        tools: ToolUse | None,
+        logprobs: int | None = None,
     ) -> None:
+        """``logprobs``: the alternatives per token when the request included the output's
+        logprobs, else None (the parts' ``logprobs`` stay empty)."""
         self.job_id = job_id
         self.id = f"resp_{job_id}"
         self.message_id = f"msg_{job_id}"
@@ -50,7 +73,9 @@ class ResponseShaper:
         self.tools = tools
         self.created = int(time.time())
         self.gate = ContentGate(tools) if tools is not None else None
+        self.logprobs = logprobs
         self.text = ""
+        self.tokens: list[Event] = []
         self.seq = 0
 
     def envelope(self, status: str) -> dict[str, Any]:
@@ -63,8 +88,6 @@ class ResponseShaper:
             "incomplete_details": None,
             "model": self.model,
             "output": [],
-            "store": False,
-            "truncation": "disabled",
             "usage": None,
             **self.echo,
         }
@@ -73,6 +96,7 @@ class ResponseShaper:
         """The non-streaming answer."""
         text = final.text or "".join(e.text for e in tokens)
         content, calls = parse_calls(text, self.tools) if self.tools else (text, [])
+        self.tokens = tokens
         return self.ended(final, content, calls)
 
     def ended(self, final: Event, content: str | None, calls: list[Call]) -> dict[str, Any]:
@@ -92,7 +116,7 @@ class ResponseShaper:
         return out
 
     def message(self, text: str, status: str) -> dict[str, Any]:
-        part = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        part = [self.part(text, self.tokens)]
         return {
             "type": "message",
             "id": self.message_id,
@@ -100,6 +124,31 @@ class ResponseShaper:
             "role": "assistant",
             "content": part if text or status != "in_progress" else [],
         }
+
+    def part(self, text: str, tokens: list[Event]) -> dict[str, Any]:
+        """An ``output_text`` part, with the logprobs of ``tokens`` when asked for."""
+        return {
+            "type": "output_text",
+            "text": text,
+            "annotations": [],
+            "logprobs": self.token_logprobs(tokens),
+        }
+
+    def token_logprobs(self, tokens: list[Event]) -> list[dict[str, Any]]:
+        """OpenAI's logprobs of ``tokens`` (a stop token left out): token, bytes, logprob
+        and ``top_logprobs`` alternatives; empty unless the request asked."""
+        if self.logprobs is None:
+            return []
+        out = []
+        for e in content_tokens(tokens):
+            token = token_text(e)
+            best = [
+                {"token": t, "bytes": token_bytes(e, i, t), "logprob": lp}
+                for i, t, lp in alternatives(e, self.logprobs)
+            ]
+            own = {"token": token, "bytes": token_bytes(e, e.token_id, token)}
+            out.append(own | {"logprob": e.logprob, "top_logprobs": best})
+        return out
 
     def function_call(self, number: int, call: Call, status: str) -> dict[str, Any]:
         ident = call_id(self.job_id, 0, number)
@@ -128,7 +177,11 @@ def usage(value: Usage | None) -> dict[str, Any]:
     completion = value.completion_tokens if value else 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached_tokens(value) or 0},
+        # The daemon counts no cache writes: 0, as the (required) field must be a number.
+        "input_tokens_details": {
+            "cached_tokens": cached_tokens(value) or 0,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -152,8 +205,13 @@ async def stream_events(
 
 
 def _failed_event(shaper: ResponseShaper, error: APIError) -> bytes:
+    """``response.failed``: its ``error.code`` one of OpenAI's (the SDK's types list them),
+    batchd's own code (``job_cancelled``...) at the head of the message."""
     body = shaper.envelope("failed")
-    body["error"] = {"code": error.code or "server_error", "message": error.message}
+    code = error.code if error.code in ERROR_CODES else "server_error"
+    same = error.code in (None, code)
+    message = error.message if same else f"{error.code}: {error.message}"
+    body["error"] = {"code": code, "message": message}
     return shaper.event("response.failed", response=body)
 
 
@@ -175,6 +233,7 @@ async def _job_events(
                 online.meter.token_sent(route, job.started)
                 first = False
             shaper.text += event.text
+            shaper.tokens.append(event)
             piece = shaper.gate.feed(event.text) if shaper.gate else event.text
             if not piece:
                 continue
@@ -182,7 +241,8 @@ async def _job_events(
                 opened = True
                 for chunk in _open_message(shaper):
                     yield chunk
-            yield _delta(shaper, piece)
+            # Held text (tools) goes out later: its tokens' logprobs with the done events.
+            yield _delta(shaper, piece, [] if shaper.gate else [event])
         else:
             return
     if event.finish_reason in FAILED_REASONS:
@@ -194,7 +254,7 @@ async def _job_events(
 
 def _open_message(shaper: ResponseShaper) -> list[bytes]:
     item = shaper.message("", "in_progress")
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    part = shaper.part("", [])
     return [
         shaper.event("response.output_item.added", output_index=0, item=item),
         shaper.event(
@@ -207,14 +267,14 @@ def _open_message(shaper: ResponseShaper) -> list[bytes]:
     ]
 
 
-def _delta(shaper: ResponseShaper, piece: str) -> bytes:
+def _delta(shaper: ResponseShaper, piece: str, tokens: list[Event]) -> bytes:
     return shaper.event(
         "response.output_text.delta",
         item_id=shaper.message_id,
         output_index=0,
         content_index=0,
         delta=piece,
-        logprobs=[],
+        logprobs=shaper.token_logprobs(tokens),
     )
 
 
@@ -231,11 +291,14 @@ def _close(shaper: ResponseShaper, final: Event, opened: bool) -> list[bytes]:
         out += _open_message(shaper)
         rest = content
     if rest:
-        out.append(_delta(shaper, rest))
+        out.append(_delta(shaper, rest, []))
     if content:
         where = {"item_id": shaper.message_id, "output_index": 0, "content_index": 0}
-        part = {"type": "output_text", "text": content, "annotations": [], "logprobs": []}
-        out.append(shaper.event("response.output_text.done", **where, text=content, logprobs=[]))
+        part = shaper.part(content, shaper.tokens)
+        logprobs = part["logprobs"]
+        out.append(
+            shaper.event("response.output_text.done", **where, text=content, logprobs=logprobs)
+        )
         out.append(shaper.event("response.content_part.done", **where, part=part))
         out.append(
             shaper.event("response.output_item.done", output_index=0, item=response["output"][0])
