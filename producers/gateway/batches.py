@@ -40,6 +40,7 @@ from batchd.producers.gateway.fleet import BulkWorkers, Fleet
 from batchd.producers.gateway.guard import Guard
 from batchd.producers.gateway.online import read_json
 from batchd.producers.gateway.options import GatewayOptions
+from batchd.producers.gateway.params import check_metadata
 from batchd.producers.gateway.store import (
     BATCH_RECORD_TTL_S,
     DEFAULT_EXPIRY_S,
@@ -79,8 +80,6 @@ STATUS_TIMES = (
 )
 # Statuses in which a batch still needs a bulk worker.
 WAITING_ON_WORKER = {"validating", "in_progress", "finalizing", "cancelling"}
-# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 class Batches:
@@ -141,7 +140,8 @@ class Batches:
             raise invalid("endpoint", f"must be one of {', '.join(ENDPOINTS)}")
         if window != COMPLETION_WINDOW:
             raise invalid("completion_window", f"must be {COMPLETION_WINDOW!r}")
-        metadata = _metadata(body.get("metadata"))
+        metadata = body.get("metadata")
+        check_metadata(metadata)
         lifetime = _output_lifetime(body.get("output_expires_after"))
         input_id = body.get("input_file_id")
         if not isinstance(input_id, str):
@@ -307,20 +307,6 @@ end
 redis.call('HSET', KEYS[1], unpack(ARGV, {len(TERMINAL) + 1}))
 return nil
 """
-
-
-def _metadata(value: Any) -> dict[str, str] | None:
-    """OpenAI's metadata: up to 16 string pairs (keys 64, values 512 characters)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
-        raise invalid("metadata", f"must be an object of at most {MAX_METADATA_PAIRS} pairs")
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(item, str):
-            raise invalid("metadata", f"{key[:64]!r}: keys up to 64 characters, string values")
-        if len(item) > MAX_METADATA_VALUE:
-            raise invalid("metadata", f"{key!r}: values up to {MAX_METADATA_VALUE} characters")
-    return value
 
 
 def _output_lifetime(value: Any) -> int:

@@ -51,6 +51,8 @@ RANGES: dict[str, tuple[float, float]] = {
 }
 INTEGERS = {"n", "seed", "max_tokens", "max_completion_tokens", "top_logprobs"}
 COMPLETIONS_MAX_LOGPROBS = 5
+# OpenAI's bounds on metadata: pairs, characters of a key, characters of a value.
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 # OpenAI's bound on stop sequences (a job from batchd's own producers may carry more).
 MAX_STOP = 4
 
@@ -62,7 +64,7 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none"),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "metadata": lambda v: v is None or isinstance(v, dict),  # tags: kept on the job
+    "metadata": lambda v: True,  # tags kept on the job, within OpenAI's limits (check_metadata)
 }
 # Chat-only OpenAI parameters: accepted at their neutral value, else refused as unsupported
 # (never as unknown: OpenAI documents them).
@@ -287,9 +289,10 @@ def _common(
     user = body.pop("user", None)
     if user is not None and not isinstance(user, str):
         raise invalid("user", f"must be a string, got {user!r}")
-    refuse_the_rest(body)
     metadata = body.get("metadata")
-    if isinstance(metadata, dict):
+    check_metadata(metadata)
+    refuse_the_rest(body)
+    if metadata is not None:
         job["metadata"] = metadata
     if logprobs:
         # Name each token (and its alternatives) in the answer: the daemon decodes them.
@@ -315,6 +318,34 @@ def sampling(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(seed, int) and seed < 0:
         job["seed"] = fold_seed(seed)
     return job
+
+
+def check_metadata(metadata: Any) -> None:
+    """400 for metadata beyond OpenAI's limits (:data:`METADATA_PAIRS` pairs, keys up to
+    :data:`METADATA_KEY` characters, string values up to :data:`METADATA_VALUE`), worded
+    as OpenAI's; the same for chat, completions, Responses and batches."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise invalid("metadata", "must be an object")
+    if len(metadata) > METADATA_PAIRS:
+        raise _too_long("metadata", f"at most {METADATA_PAIRS} properties", len(metadata))
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY:
+            raise _too_long("metadata", f"keys of at most {METADATA_KEY} characters", len(key))
+        if not isinstance(value, str):
+            raise invalid(f"metadata.{key}", "must be a string")
+        if len(value) > METADATA_VALUE:
+            raise _too_long(f"metadata.{key}", f"at most {METADATA_VALUE} characters", len(value))
+
+
+def _too_long(param: str, bound: str, got: int) -> APIError:
+    return APIError(
+        400,
+        f"Invalid '{param}': too long. Expected {bound}, but got {got}.",
+        param=param,
+        code="invalid_value",
+    )
 
 
 def fold_seed(seed: int) -> int:

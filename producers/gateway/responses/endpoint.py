@@ -29,13 +29,8 @@ from starlette.responses import JSONResponse, Response
 
 from batchd.producers.gateway.errors import APIError, invalid, unsupported
 from batchd.producers.gateway.online import Online, read_json
-from batchd.producers.gateway.params import EXTRAS, Mapped, chat_request
-from batchd.producers.gateway.responses.fields import (
-    check_metadata,
-    check_reasoning,
-    echoed,
-    logprobs_asked,
-)
+from batchd.producers.gateway.params import EXTRAS, Mapped, chat_request, check_metadata
+from batchd.producers.gateway.responses.fields import check_reasoning, echoed, logprobs_asked
 from batchd.producers.gateway.responses.inputs import input_messages
 from batchd.producers.gateway.responses.shapes import ResponseShaper, stream_events
 from batchd.producers.gateway.stream import EventStream

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchd.producers.gateway.errors import APIError, invalid, unsupported
+from batchd.producers.gateway.errors import invalid, unsupported
 from batchd.producers.gateway.params import check_ranges
 
 LOGPROBS = "message.output_text.logprobs"
@@ -28,7 +28,6 @@ NOTHING_TO_INCLUDE = {
     "web_search_call.action.sources",
     "web_search_call.results",
 }
-METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 
 
 def logprobs_asked(include: Any, top: Any) -> bool:
@@ -57,32 +56,6 @@ def check_reasoning(reasoning: Any) -> None:
         if value not in (None, "none"):
             why = "is not supported: batchd's models do not reason"
             raise unsupported(f"reasoning.{name}", why)
-
-
-def check_metadata(metadata: Any) -> None:
-    """400 for metadata beyond OpenAI's limits, worded as OpenAI's."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict):
-        raise invalid("metadata", "must be an object")
-    if len(metadata) > METADATA_PAIRS:
-        raise _too("metadata", f"at most {METADATA_PAIRS} properties", len(metadata))
-    for key, value in metadata.items():
-        if len(key) > METADATA_KEY:
-            raise _too("metadata", f"keys of at most {METADATA_KEY} characters", len(key))
-        if not isinstance(value, str):
-            raise invalid(f"metadata.{key}", "must be a string")
-        if len(value) > METADATA_VALUE:
-            raise _too(f"metadata.{key}", f"at most {METADATA_VALUE} characters", len(value))
-
-
-def _too(param: str, bound: str, got: int) -> APIError:
-    return APIError(
-        400,
-        f"Invalid '{param}': too long. Expected {bound}, but got {got}.",
-        param=param,
-        code="invalid_value",
-    )
 
 
 def echoed(body: dict[str, Any]) -> dict[str, Any]:

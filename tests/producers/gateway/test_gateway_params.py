@@ -61,12 +61,21 @@ def test_completion_prompt_forms() -> None:
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": ""}, "model"),
         ({"metadata": "tag"}, "metadata"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"team": {"nested": 1}}}, "metadata.team"),
+        ({"metadata": {"team": "v" * 513}}, "metadata.team"),
     ],
 )
 def test_refusals_name_the_param(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as caught:
         chat(**body)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_metadata_at_openais_limits_is_kept_on_the_job() -> None:
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    assert chat(metadata=metadata).job["metadata"] == metadata
 
 
 def test_neutral_values_are_accepted() -> None:
