@@ -5,12 +5,13 @@ A Python block preceded by ``<!-- test: NAME -->`` runs with the README's check 
 name (tests/test_readme_examples.py: one private redis-server and a real ``batchd
 serve`` on the tiny model for all of them), or with a check below for the examples the
 README does not have. The only changes made to an example are the addresses (Redis URL,
-gateway URL) and, for the OpenAI example, the model's name (the tiny model's).
+gateway URL) and, for the OpenAI examples, the model's name (the tiny model's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -21,9 +22,11 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 import test_readme_examples as readme
 import uvicorn
 
+from batchd.producers.bulk_worker import bulk_worker
 from batchd.producers.client import Client
 from batchd.producers.gateway.app import create_app
 from batchd.producers.gateway.options import GatewayOptions
@@ -51,10 +54,14 @@ def marked_examples() -> list[tuple[str, str, str]]:
 
 
 @contextlib.contextmanager
-def gateway(redis_url: str) -> Iterator[str]:
-    """``batchd gateway --api-key sk-mine`` in uvicorn on a thread; yields its /v1 URL."""
+def gateway(redis_url: str, files_dir: Path | None = None) -> Iterator[str]:
+    """``batchd gateway --api-key sk-mine`` in uvicorn on a thread (its Batch API files in
+    ``files_dir``, when given); yields its /v1 URL."""
     port = free_port()
-    app = create_app(redis_url, GatewayOptions(api_keys=[API_KEY]))
+    options = GatewayOptions(api_keys=[API_KEY])
+    if files_dir is not None:
+        options = GatewayOptions(api_keys=[API_KEY], files_dir=files_dir)
+    app = create_app(redis_url, options)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     with serve_in_thread(config) as url:
         yield f"{url}/v1"
@@ -72,7 +79,41 @@ def check_openai(code: str, served: Served, tmp: Path) -> None:
     assert printed.strip(), "the example printed no reply"
 
 
-CHECKS: dict[str, Callable[[str, Served, Path], None]] = {**readme.CHECKS, "openai": check_openai}
+def check_openai_batch(code: str, served: Served, tmp: Path) -> None:
+    """The Batch API example uploads the file the page's ``printf`` line writes and starts
+    a batch, which a bulk worker on the gateway's files folder then completes."""
+    page = (DOCS / "gateway.md").read_text()
+    (make_file,) = re.findall(r"^printf .*> requests\.jsonl$", page, re.M)
+    assert GATEWAY_URL in code and '"model": "smollm2"' in make_file
+    files = tmp / "files"
+    with gateway(served.url, files) as url:
+        model = openai.OpenAI(base_url=url, api_key=API_KEY).models.list().data[0].id
+        made = subprocess.run(["bash", "-c", make_file], cwd=tmp, capture_output=True, text=True)
+        assert made.returncode == 0, made.stderr
+        requests = tmp / "requests.jsonl"
+        requests.write_text(requests.read_text().replace('"smollm2"', json.dumps(model)))
+        with readme.working_directory(tmp):
+            printed = run_example(code.replace(GATEWAY_URL, url), {})
+        assert printed == "validating\n", printed
+        connection = redis.Redis.from_url(served.url)
+        try:
+            assert bulk_worker(connection, files_dir=files, burst=True, fork=False)
+        finally:
+            connection.close()
+        client = openai.OpenAI(base_url=url, api_key=API_KEY)
+        (batch,) = client.batches.list().data
+        assert batch.status == "completed" and batch.output_file_id, batch
+        output = client.files.content(batch.output_file_id).text.splitlines()
+    (line,) = [json.loads(text) for text in output]
+    assert line["custom_id"] == "r1"
+    assert line["response"]["body"]["choices"][0]["message"]["content"], line
+
+
+CHECKS: dict[str, Callable[[str, Served, Path], None]] = {
+    **readme.CHECKS,
+    "openai": check_openai,
+    "openai-batch": check_openai_batch,
+}
 
 
 def test_every_marked_example_has_its_check() -> None:
