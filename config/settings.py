@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import tomllib
 from pydantic import (
     Field,
     StringConstraints,
@@ -26,6 +28,8 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings import SettingsError as PydanticSettingsError
+from redis.connection import parse_url
 
 from batchd.config.cluster import is_cluster_url, parse_cluster_url
 from batchd.config.limits import DEFAULT_REDIS_URL, NAME_PATTERN, LimitSettings, Section
@@ -137,8 +141,15 @@ class Settings(BaseSettings):
             raise ValueError("must start with " + ", ".join(SCHEMES))
         if is_sentinel_url(value):
             parse_sentinel_url(value)  # ValueError naming the bad part
-        if is_cluster_url(value):
+        elif is_cluster_url(value):
             parse_cluster_url(value)
+        else:
+            # What redis-py would refuse at the first command (a port that is no number,
+            # a bad query option): refused here, naming the setting, not as a traceback.
+            try:
+                parse_url(value)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (expected redis://[USER:PASSWORD@]HOST:PORT/DB)") from None
         return value
 
     @field_validator("engine", mode="before")
@@ -180,6 +191,14 @@ class Settings(BaseSettings):
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
 
 
+_ENGINE_FIELD = re.compile(r"\bEngineConfig\.(\w+)")
+# pydantic's words for an option no model declares (a BaseModel section, a dataclass).
+_UNKNOWN = frozenset({"extra_forbidden", "unexpected_keyword_argument"})
+UNKNOWN_OPTION = (
+    "unknown option (a typo? docs/reference/configuration.md lists every option batchd has)"
+)
+
+
 class SettingsError(ValueError):
     """Invalid configuration; the message names each bad option and value."""
 
@@ -194,12 +213,22 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
     path = config_file or os.environ.get(CONFIG_ENV_VAR) or None
     resolved = Path(path) if path else None
     if resolved is not None and not resolved.is_file():
-        raise SettingsError(f"config file {str(resolved)!r} does not exist")
+        missing = "is not a file" if resolved.exists() else "does not exist"
+        raise SettingsError(f"config file {str(resolved)!r} {missing}: give a TOML file")
     settings_cls = Settings if resolved is None else _reading(resolved)
     try:
         return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise SettingsError(_describe(exc, resolved)) from None
+    except PydanticSettingsError as exc:  # a list or table option's env value is no JSON
+        raise SettingsError(
+            f"invalid settings: {exc} ({exc.__cause__}): a list or table option takes JSON in "
+            """the environment, e.g. BATCHD_QUEUES='["default"]'"""
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {str(resolved)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {str(resolved)!r}: {exc}") from None
 
 
 def _reading(toml_file: Path) -> type[Settings]:
@@ -214,10 +243,18 @@ def _reading(toml_file: Path) -> type[Settings]:
 def _describe(exc: ValidationError, config_file: Path | None) -> str:
     lines = ["invalid settings:"]
     for err in exc.errors():
-        option = ".".join(str(part) for part in err["loc"])
-        env_name = "BATCHD_" + "__".join(str(p).upper() for p in err["loc"])
+        loc = tuple(str(part) for part in err["loc"])
         value = err.get("input")
-        lines.append(f"  {option} (env {env_name}) = {redact(repr(value))}: {err['msg']}")
+        message = UNKNOWN_OPTION if err["type"] in _UNKNOWN else err["msg"]
+        message = message.removeprefix("Value error, ")
+        # EngineConfig (a dataclass) checks its fields together, so pydantic places the
+        # error on the whole section: name the field its message names instead.
+        field = _ENGINE_FIELD.search(message)
+        if loc == ("engine",) and field and isinstance(value, dict):
+            loc, value = ("engine", field.group(1)), value.get(field.group(1))
+        option = ".".join(loc)
+        env_name = "BATCHD_" + "__".join(part.upper() for part in loc)
+        lines.append(f"  {option} (env {env_name}) = {redact(repr(value))}: {message}")
     if config_file is not None:
         lines.append(f"  (config file: {config_file})")
     return "\n".join(lines)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import logging
 import sys
 from collections.abc import Sequence
 
 from batchd import __version__
 from batchd.config.settings import Settings, SettingsError, load_settings
+from batchd.producers.commands.redis_failure import REDIS_EXIT, REDIS_FAILURES, explain
 from batchd.producers.telemetry import LOG_FORMATS, configure_logging
 
 COMMAND_MODULES = (
@@ -128,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args, settings)
     except KeyboardInterrupt:
         return 130
+    except REDIS_FAILURES as exc:  # a command that let Redis's failure through
+        print(f"batchd {args.command}: {explain(exc, settings.connection_url())}", file=sys.stderr)
+        logging.getLogger(__name__).debug("redis failure", exc_info=exc)  # --log-level DEBUG
+        return REDIS_EXIT
     except ModuleNotFoundError as exc:
         if _extra_of(exc.name) is None:
             raise  # not an optional module: a bug, whose traceback helps

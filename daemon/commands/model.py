@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
+from batchd.daemon.commands.load_failure import LOAD_FAILURES, explain
 from batchd.engine.models.registry import (
     ARCH_PRESETS,
     FIXTURE_PRESETS,
@@ -66,6 +67,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
     try:
         source = _source(args)
+        _check_out_dir(Path(args.out_dir))
+    except ValueError as exc:
+        print(f"batchd make-model: {exc}", file=sys.stderr)
+        return 2
+    try:
         if source in ARCH_PRESETS:
             path = ensure_preset(source, path=Path(args.out_dir))
             print(f"wrote {source} model to {path}")
@@ -75,13 +81,25 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             path = convert_gguf(gguf, Path(args.out_dir), keep_quantized=args.keep_quantized)
             print(f"converted {gguf} to {path}")
             return 0
-    except (OSError, ValueError) as exc:  # GGUFError is a ValueError
-        print(f"batchd make-model: {exc}", file=sys.stderr)
+    except LOAD_FAILURES as exc:
+        print(f"batchd make-model: {explain(source, exc)}", file=sys.stderr)
         return 2
     spec = FixtureSpec(preset=source, arch=args.arch, seed=args.seed, quantize_bits=args.quantize)
     path = make_model(args.out_dir, spec)
     print(f"wrote {spec.preset} {spec.arch} model (seed {spec.seed}) to {path}")
     return 0
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """ValueError when writing a model to ``out_dir`` would mix it with other files: a
+    file, or a folder with files but no model (a model folder is rewritten in place)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file: give a folder to write the model to")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").exists():
+        raise ValueError(
+            f"{out_dir} is not empty and holds no model (no config.json): give a new or empty "
+            "folder, so that the model's files are not mixed with others"
+        )
 
 
 def _source(args: argparse.Namespace) -> str:

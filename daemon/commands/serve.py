@@ -109,6 +109,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         settings.queues,
         extra={"event": "daemon_starting", "consumer": consumer, "pid": os.getpid()},
     )
+    from batchd.daemon.commands.load_failure import LOAD_FAILURES, explain
     from batchd.daemon.fleet.heartbeat import ConsumerTaken
     from batchd.daemon.ops.observer import Ops
     from batchd.daemon.ops.prom import DaemonMetrics
@@ -116,6 +117,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from batchd.daemon.worker.mlx_generator import MLXGenerator
     from batchd.daemon.worker.redis_io import ClusterUrlNeeded
     from batchd.engine.models.registry import resolve_model
+    from batchd.producers.commands.redis_failure import REDIS_EXIT, REDIS_FAILURES
+    from batchd.producers.commands.redis_failure import explain as explain_redis
     from batchd.producers.connection.layout import LayoutError
 
     metrics = None
@@ -128,8 +131,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         model = resolve_model(settings.model)
         generator = MLXGenerator.from_pretrained(model, settings.engine)
-    except (OSError, ValueError) as exc:
-        print(f"batchd serve: cannot load model {settings.model!r}: {exc}", file=sys.stderr)
+    except LOAD_FAILURES as exc:
+        print(f"batchd serve: cannot load model: {explain(settings.model, exc)}", file=sys.stderr)
         return 2
     log.info(
         "model %s loaded in %.1fs",
@@ -150,6 +153,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"batchd serve: {exc}", file=sys.stderr)
         ops.failed(exc)
         return 2
+    except REDIS_FAILURES as exc:
+        # Outages are ridden out inside the worker; what reaches here is Redis refusing the
+        # settings (no such database, not a cluster): the fix is the URL, not our code.
+        print(f"batchd serve: {explain_redis(exc, settings.connection_url())}", file=sys.stderr)
+        log.debug("redis failure", exc_info=exc)
+        ops.failed(exc)
+        return REDIS_EXIT
     except Exception as exc:
         # Exit non-zero so that the supervisor restarts us (Restart=on-failure, KeepAlive):
         # the jobs held stay pending and are taken back from their events streams.

@@ -13,11 +13,11 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from batchd.config.cluster import is_cluster_url
-from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.bulk import enqueue_bulk
 from batchd.producers.bulk_liveness import Liveness
 from batchd.producers.bulk_worker import SafeJob, bulk_worker
+from batchd.producers.commands.redis_failure import REDIS_EXIT, REDIS_FAILURES, explain
 from batchd.producers.commands.subcommand import add_command
 from batchd.producers.connection import redis_client
 from batchd.producers.errors import ValidationError
@@ -115,9 +115,9 @@ def bulk(args: argparse.Namespace, settings: Settings) -> int:
     except ValidationError as exc:
         print(f"batchd: invalid bulk run: {exc}", file=sys.stderr)
         return 2
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)
-        return 3
+    except REDIS_FAILURES as exc:
+        print(f"batchd: {explain(exc, url)}", file=sys.stderr)
+        return REDIS_EXIT
     print(job.id)
     if not args.follow:
         return 0
@@ -184,7 +184,7 @@ def worker(args: argparse.Namespace, settings: Settings) -> int:
             liveness=Liveness.from_settings(settings.bulk, prefix=settings.key_prefix),
             batchd=None if deployment == url else _connect(deployment),
         )
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)
-        return 3
+    except REDIS_FAILURES as exc:
+        print(f"batchd: {explain(exc, url)}", file=sys.stderr)
+        return REDIS_EXIT
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
+from batchd.producers.commands.listen import listen_problem
 from batchd.producers.commands.subcommand import add_command
 
 # Keys from the environment (comma-separated) or a file (one per line) stay out of `ps`.
@@ -95,6 +96,10 @@ def dashboard(args: argparse.Namespace, settings: Settings) -> int:
         )
     except ValueError as exc:
         print(f"batchd: dashboard: {exc}", file=sys.stderr)
+        return 2
+    problem = listen_problem(args.host, args.port)
+    if problem is not None:
+        print(f"batchd: dashboard: {problem}", file=sys.stderr)
         return 2
     app = create_app(settings.connection_url(), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower())

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from batchd.config.sections import GatewaySettings
 from batchd.config.settings import Settings
+from batchd.producers.commands.listen import listen_problem
 from batchd.producers.commands.subcommand import add_command
 
 # Keys from the environment (comma-separated) stay out of `ps`.
@@ -122,6 +125,10 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         print(f"batchd: gateway: {exc}", file=sys.stderr)
         return 2
+    problem = listen_problem(section.host, section.port)
+    if problem is not None:
+        print(f"batchd: gateway: {problem}", file=sys.stderr)
+        return 2
     options = GatewayOptions.from_settings(
         section,
         prefix=settings.key_prefix,
@@ -140,4 +147,13 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
 def gateway_settings(args: argparse.Namespace, settings: Settings) -> GatewaySettings:
     """The [gateway] section with the flags given on top (validated: ValueError)."""
     given = {OVERRIDES[k]: v for k, v in vars(args).items() if k in OVERRIDES and v is not None}
-    return GatewaySettings.model_validate({**settings.gateway.model_dump(), **given})
+    try:
+        return GatewaySettings.model_validate({**settings.gateway.model_dump(), **given})
+    except ValidationError as exc:  # pydantic's multi-line report, as one line per option
+        flags = {setting: "--" + arg.replace("_", "-") for arg, setting in OVERRIDES.items()}
+        problems = []
+        for err in exc.errors():
+            name = ".".join(str(part) for part in err["loc"])
+            option = f"{flags[name]} (gateway.{name})" if name in flags else f"gateway.{name}"
+            problems.append(f"{option} = {err.get('input')!r}: {err['msg']}")
+        raise ValueError("; ".join(problems)) from None

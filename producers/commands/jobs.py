@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import redis
 
-from batchd.config.secrets import redact
 from batchd.config.settings import Settings
 from batchd.producers.client import Client
+from batchd.producers.commands.redis_failure import REDIS_EXIT, REDIS_FAILURES, explain
 from batchd.producers.commands.subcommand import Handler, add_command
 from batchd.producers.errors import BatchdError, JobFailed, JobNotFound, JobTimeout, ValidationError
 from batchd.producers.result import JobResult, ResultBuilder
@@ -123,8 +122,8 @@ def _guarded(handler: Handler) -> Handler:
             return _fail(str(exc), 1)
         except JobTimeout as exc:
             return _fail(str(exc), 4)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            return _fail(f"cannot reach Redis at {redact(settings.connection_url())}: {exc}", 3)
+        except REDIS_FAILURES as exc:
+            return _fail(explain(exc, settings.connection_url()), REDIS_EXIT)
         except BatchdError as exc:
             return _fail(str(exc), 1)
 
@@ -193,6 +192,8 @@ def _prompt(text: str, *, system: str | None, raw: bool) -> dict[str, Any]:
 
     A chat model given a bare prompt often ends at once (SmolLM2 answers "What is the
     capital of France?" with its end token), so the template is the default."""
+    if not text.strip():
+        raise ValidationError("prompt", "is empty: give the text to answer (or - to read stdin)")
     if raw:
         if system is not None:
             raise ValidationError("system", "--system needs the chat template: drop --raw")

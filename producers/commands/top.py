@@ -7,10 +7,8 @@ import sys
 import time
 from typing import Any
 
-import redis
-
-from batchd.config.secrets import redact
 from batchd.config.settings import Settings
+from batchd.producers.commands.redis_failure import REDIS_EXIT, REDIS_FAILURES, explain
 from batchd.producers.commands.subcommand import add_command
 from batchd.producers.connection import read_layout, redis_client
 from batchd.producers.keys import Keys
@@ -43,10 +41,10 @@ def top(args: argparse.Namespace, settings: Settings) -> int:
                 kept = keys if stored else None
                 snapshot = take_snapshot(client, keys)
                 text = snapshot_json(snapshot) if args.json else render(snapshot)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                print(f"batchd: cannot reach Redis: {redact(str(exc))}", file=sys.stderr)
+            except REDIS_FAILURES as exc:
+                print(f"batchd: {explain(exc, settings.connection_url())}", file=sys.stderr)
                 if args.once:
-                    return 3
+                    return REDIS_EXIT
                 text = ""
             sys.stdout.write((CLEAR if clear else "") + text)
             sys.stdout.flush()
