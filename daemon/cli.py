@@ -14,6 +14,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -130,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args, settings)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`batchd stream ID --json | head`)
+        _silence_stdout()
+        return 141  # as a shell reports a process ended by SIGPIPE
     except REDIS_FAILURES as exc:  # a command that let Redis's failure through
         print(f"batchd {args.command}: {explain(exc, settings.connection_url())}", file=sys.stderr)
         logging.getLogger(__name__).debug("redis failure", exc_info=exc)  # --log-level DEBUG
@@ -140,6 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(install_hint(args.command, exc.name or ""), file=sys.stderr)
         return 2
     return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter flushes it at exit, and a flush into
+    the closed pipe would print a second error (Python's documented SIGPIPE recipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _extra_of(module: str | None) -> str | None:

@@ -2,18 +2,16 @@
 
 The loaders' own messages describe where they stopped, not what the user gave: a path
 that does not exist reaches the Hugging Face Hub client as a malformed repo id, an offline
-hub id ends in a paragraph about snapshot folders, a truncated GGUF in a struct error.
+hub id ends in a paragraph about snapshot folders.
 :func:`explain` names what ``--model`` was taken for and what to give instead.
 """
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
-# What a model load or GGUF conversion raises for a bad input (GGUFError is a ValueError;
-# the GGUF header reader lets a short read through as struct.error).
-LOAD_FAILURES: tuple[type[Exception], ...] = (OSError, ValueError, struct.error)
+# What a model load or GGUF conversion raises for a bad input (GGUFError is a ValueError).
+LOAD_FAILURES: tuple[type[Exception], ...] = (OSError, ValueError)
 _WHAT = "give a model folder, a .gguf file, a preset (batchd make-model --help) or a hub id"
 
 
@@ -21,10 +19,6 @@ def explain(model: str, exc: Exception) -> str:
     """One paragraph for ``exc``, raised loading ``--model model``."""
     path = Path(model).expanduser()
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, struct.error):
-        return (
-            f"{model} is truncated or corrupt (it ends inside its header: {first}): fetch it again"
-        )
     if not path.exists() and _looks_like_path(model):
         return f"{model} does not exist: {_WHAT} (org/name)"
     if path.is_dir() and not (path / "config.json").is_file():

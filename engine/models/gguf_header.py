@@ -62,13 +62,24 @@ def meta_value(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def _u32(f: BinaryIO) -> int:
-    value: int = struct.unpack("<I", f.read(4))[0]
+    value: int = struct.unpack("<I", _exactly(f, 4))[0]
     return value
 
 
 def _u64(f: BinaryIO) -> int:
-    value: int = struct.unpack("<Q", f.read(8))[0]
+    value: int = struct.unpack("<Q", _exactly(f, 8))[0]
     return value
+
+
+def _exactly(f: BinaryIO, size: int) -> bytes:
+    """``size`` bytes of the header, or GGUFError naming the file: a file cut short (an
+    interrupted download or copy) ends inside its header."""
+    raw = f.read(size)
+    if len(raw) != size:
+        name = getattr(f, "name", "the GGUF file")
+        why = "is truncated or corrupt (it ends inside its header): fetch it again"
+        raise GGUFError(f"{name} {why}")
+    return raw
 
 
 def _string(f: BinaryIO) -> str:

@@ -7,6 +7,8 @@ overrides its setting.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 import sys
 from pathlib import Path
@@ -18,6 +20,8 @@ from batchd.config.sections import GatewaySettings
 from batchd.config.settings import Settings
 from batchd.producers.commands.listen import listen_problem
 from batchd.producers.commands.subcommand import add_command
+
+log = logging.getLogger(__name__)
 
 # Keys from the environment (comma-separated) stay out of `ps`.
 KEYS_ENV = "BATCHD_GATEWAY_API_KEYS"
@@ -138,10 +142,25 @@ def gateway(args: argparse.Namespace, settings: Settings) -> int:
         rq_queue=settings.bulk.rq_queue,
         rq_redis_url=settings.bulk.rq_redis_url,
     )
+    if not keys and not _loopback(section.host):
+        log.warning(
+            "the gateway listens on %s with no API key: anyone who reaches that address can "
+            "run jobs and read every answer; give --api-key (or $%s), or bind 127.0.0.1",
+            section.host,
+            KEYS_ENV,
+        )
     raise_open_files(section)
     app = create_app(settings.connection_url(), options)
     uvicorn.run(app, **uvicorn_options(section, log_level=settings.log_level))
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name: only localhost)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def gateway_settings(args: argparse.Namespace, settings: Settings) -> GatewaySettings:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from batchd.daemon.cli import main
+from batchd.producers.keys import EVENT_FIELD, Keys, event_id
+from batchd.producers.schema import Event
 from support.redis_server import RedisServer, free_port
 
 
@@ -210,3 +212,49 @@ def test_make_model_mistakes(tmp_path: Path) -> None:
     assert code == 2
     assert_one_error(err, "is not empty and holds no model", "new or empty folder")
     assert sorted(p.name for p in busy.iterdir()) == ["thesis.tex"]
+
+
+def test_a_reader_that_stops_early_ends_the_stream_quietly(redis_server: RedisServer) -> None:
+    """``batchd stream ID --json | head -1``: the pipe closes under the command, which
+    ends with SIGPIPE's exit code and no traceback."""
+    admin = redis_server.client()
+    keys = Keys()
+    admin.hset(keys.job("long"), mapping={"state": "running", "queue": "default"})
+    for seq in range(3000):
+        event = Event(seq=seq, token_id=1, text="token ").encode()
+        admin.xadd(keys.events("long"), {EVENT_FIELD: event}, id=event_id(seq))
+    admin.close()
+    env = {**os.environ, "BATCHD_REDIS_URL": redis_server.url}
+    command = [sys.executable, "-m", "batchd.daemon.cli", "stream", "long", "--json"]
+    reader = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert reader.stdout is not None and reader.stderr is not None
+    first = reader.stdout.readline()
+    reader.stdout.close()  # what `head -1` does after its line
+    err = reader.stderr.read().decode()
+    assert reader.wait(timeout=60) == 141, err
+    assert b'"seq":0' in first and "Traceback" not in err and "Broken pipe" not in err, err
+
+
+@pytest.mark.parametrize(("host", "warned"), [("0.0.0.0", True), ("127.0.0.1", False)])
+def test_a_gateway_open_to_the_network_without_keys_says_so(
+    redis_server: RedisServer, host: str, warned: bool
+) -> None:
+    """No key means no auth: fine on loopback, a warning on an address others reach."""
+    env = {**os.environ, "BATCHD_REDIS_URL": redis_server.url}
+    env.pop("BATCHD_GATEWAY_API_KEYS", None)
+    port = str(free_port())
+    command = [sys.executable, "-m", "batchd.daemon.cli", "gateway", "--host", host, "--port", port]
+    gateway = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    assert gateway.stderr is not None
+    try:
+        seen = []
+        for line in gateway.stderr:  # uvicorn's startup line comes after the check
+            seen.append(line)
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                break
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+    said = "".join(seen)
+    assert ("with no API key" in said) is warned, said
+    assert "Traceback" not in said

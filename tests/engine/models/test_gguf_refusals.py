@@ -41,3 +41,14 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"not a model at all")
     with pytest.raises(GGUFError, match="not a GGUF file"):
         convert_gguf(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("kept", [6, 20, 60])
+def test_a_file_cut_inside_its_header_is_refused_by_name(tmp_path: Path, kept: int) -> None:
+    """An interrupted download: the header reader names the file as truncated (it raised
+    struct.error, which no caller expects)."""
+    whole = _write(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:kept])
+    with pytest.raises(GGUFError, match="truncated"):
+        tensor_types(cut)
