@@ -131,11 +131,15 @@ def bulk(args: argparse.Namespace, settings: Settings) -> int:
 def follow_progress(
     connection: redis.Redis, job_id: str, *, stream: TextIO, poll_s: float = 0.5
 ) -> JobStatus:
-    """Draw the run's progress bar on ``stream`` until the rq job ends."""
+    """Draw the run's progress bar on ``stream`` until the rq job ends (each line padded
+    over the longer one it replaces, so no tail of a message is left behind)."""
+    width = 0
     while True:
         job = SafeJob.fetch(job_id, connection=connection, serializer=JSONSerializer)
         status = job.get_status()
-        stream.write("\r" + progress_bar(job.get_meta().get("progress") or {}))
+        line = progress_bar(job.get_meta().get("progress") or {}, status)
+        stream.write("\r" + line.ljust(width))
+        width = max(width, len(line))
         stream.flush()
         if status in ENDED:
             stream.write("\n")
@@ -143,10 +147,14 @@ def follow_progress(
         time.sleep(poll_s)
 
 
-def progress_bar(progress: dict[str, Any]) -> str:
+def progress_bar(progress: dict[str, Any], status: JobStatus | None = None) -> str:
+    """One line for the run: its bar once a worker counted its lines, before that what
+    it waits for (a worker to take it, or the worker reading its input)."""
     total, done = progress.get("total"), progress.get("done", 0)
     if not total:
-        return "waiting for a bulk worker (batchd bulk-worker)..."
+        if status is JobStatus.STARTED:
+            return "a bulk worker took the run: reading its input..."
+        return "queued: waiting for a bulk worker (batchd bulk-worker) to take it..."
     filled = int(BAR_WIDTH * done / total)
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
     failed = progress.get("failed", 0)

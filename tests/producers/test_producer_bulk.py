@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -150,13 +151,24 @@ def test_rq_worker_runs_bulk_and_progress_is_shown(
     stored = json.loads(zlib.decompress(conn.hget(job.key, "data") or b""))  # JSON, not pickle
     assert stored[0] == "batchd.producers.bulk.run_bulk" and stored[3]["window"] == 64
     assert out.is_symlink() and out.resolve().parent == (tmp_path / "files").resolve()
-    with text_daemon(redis_server.url):
-        worker = BulkSimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer)
-        worker.files_dir = (tmp_path / "files").resolve()
-        worker.work(burst=True)
     bar = io.StringIO()
-    assert follow_progress(conn, job_id, stream=bar, poll_s=0.01) is JobStatus.FINISHED
-    assert f"[{'#' * 30}] 10/10 lines, 0 failed" in bar.getvalue()
+    with ThreadPoolExecutor(1) as pool:
+        following = pool.submit(
+            follow_progress, redis_server.client(), job_id, stream=bar, poll_s=0.01
+        )
+        deadline = time.monotonic() + 30
+        while "queued: waiting for a bulk worker" not in bar.getvalue():
+            assert time.monotonic() < deadline, bar.getvalue()  # what the run waits for
+            time.sleep(0.01)
+        with text_daemon(redis_server.url):
+            worker = BulkSimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer)
+            worker.files_dir = (tmp_path / "files").resolve()
+            worker.work(burst=True)
+        assert following.result(timeout=60) is JobStatus.FINISHED
+    drawn = bar.getvalue().split("\r")[1:]
+    assert drawn[-1].startswith(f"[{'#' * 30}] 10/10 lines, 0 failed")
+    # Each line covers the longer one before it: no tail of the waiting message is left.
+    assert all(len(b) >= len(a) for a, b in zip(drawn, drawn[1:], strict=False))
     assert len(read_output(out)) == 10
 
 
