@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from batchd import __version__
 from batchd.config.settings import Settings, SettingsError, load_settings
+from batchd.producers.commands.extras import install_command
 from batchd.producers.commands.redis_failure import REDIS_EXIT, REDIS_FAILURES, explain
 from batchd.producers.telemetry import LOG_FORMATS, configure_logging
 
@@ -184,8 +185,8 @@ def install_hint(command: str, module: str) -> str:
     names = " and ".join(extras)
     noun = "extra" if len(extras) == 1 else "extras"
     return (
-        f"batchd {command} needs the {names} {noun}: pip install 'batchd[{','.join(extras)}]' "
-        f"(no module named {module!r})"
+        f"batchd {command} needs the {names} {noun}: {install_command(extras)}; "
+        f"no module named {module!r}"
     )
 
 

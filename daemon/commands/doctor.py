@@ -23,10 +23,11 @@ import orjson
 
 from batchd.config.secrets import redact
 from batchd.config.settings import Settings
+from batchd.producers.commands.extras import install_command
 from batchd.producers.commands.subcommand import add_command
 
-DAEMON_EXTRA = "pip install 'batchd[daemon]'"
-GATEWAY_EXTRA = "pip install 'batchd[gateway]'"
+DAEMON_EXTRA = install_command(["daemon"])
+GATEWAY_EXTRA = install_command(["gateway"])
 
 
 @dataclass(frozen=True)

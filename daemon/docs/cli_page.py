@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from batchd.daemon.cli import COMMAND_EXTRAS, build_parser
 from batchd.daemon.docs.markdown import cell, code, generated_note, prose, table
+from batchd.producers.commands.extras import install_command
 
 SOURCE = "the argument parsers (`batchd.daemon.cli.build_parser`)"
 
@@ -132,7 +133,7 @@ def _command_section(name: str, sub: argparse.ArgumentParser, globals_: set[str]
     extras = COMMAND_EXTRAS.get(name, ())
     if extras:
         needs = " and ".join(f"*{extra} extra*" for extra in extras)
-        install = code(f"pip install 'batchd[{','.join(extras)}]'")
+        install = code(install_command(extras))
         lines += [f"Needs the {needs}: {install}.", ""]
     lines += ["```text", synopsis, "```", "", prose(sub.description or ""), ""]
     if positionals:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd.config.settings import Settings
+from batchd.producers.commands.extras import install_command
 from batchd.producers.commands.listen import listen_problem
 from batchd.producers.commands.subcommand import add_command
 
@@ -69,7 +70,8 @@ def dashboard(args: argparse.Namespace, settings: Settings) -> int:
         from batchd.producers.gateway.guard import parse_key_list
     except ImportError as exc:
         print(
-            f"batchd: the dashboard needs `pip install 'batchd[gateway]'` ({exc})", file=sys.stderr
+            f"batchd: the dashboard needs the gateway extra: {install_command(['gateway'])}; {exc}",
+            file=sys.stderr,
         )
         return 2
     keys = list(args.operator_keys) + parse_key_list(os.environ.get(KEYS_ENV, ""))

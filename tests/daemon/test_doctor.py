@@ -76,6 +76,6 @@ def test_a_producer_only_install_is_told_what_to_install(
         tmp_path, "--redis-url", redis_server.url, blocked="mlx,starlette,uvicorn"
     )
     assert code == 1 and "Traceback" not in stderr
-    assert not checks["MLX"]["ok"] and "batchd[daemon]" in str(checks["MLX"]["detail"])
-    assert "batchd[gateway]" in str(checks["gateway"]["detail"])
+    assert not checks["MLX"]["ok"] and "whl)[daemon]" in str(checks["MLX"]["detail"])
+    assert "whl)[gateway]" in str(checks["gateway"]["detail"])
     assert checks["Redis"]["ok"]

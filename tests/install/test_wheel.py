@@ -207,7 +207,7 @@ def test_base_install_imports_producers_without_the_engine(base_venv: Path, tmp_
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
-    assert "pip install 'batchd[daemon]'" in refused.stderr
+    assert 'pip install "$(ls dist/batchd-*.whl)[daemon]"' in refused.stderr
 
 
 def test_beside_python_daemon_both_import(base_venv: Path, tmp_path: Path) -> None:
