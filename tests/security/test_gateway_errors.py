@@ -71,7 +71,7 @@ TABLE: list[tuple[str, str, Any, int, str, str | None]] = [
         {"input_file_id": "f", **BATCH, "metadata": {"k": 1}},
         400,
         "invalid_value",
-        "metadata",
+        "metadata.k",
     ),
     (
         "POST",
