@@ -258,7 +258,8 @@ class Worker:
     def _join(self) -> bool:
         """Check the server, claim the layout, take the heartbeat, create groups, take back
         own pending jobs; retry while Redis is away. False if asked to stop first. Raises
-        LayoutError, ClusterUrlNeeded or ConsumerTaken when this daemon must not start."""
+        LayoutError, ClusterUrlNeeded or ConsumerTaken when this daemon must not start, and
+        redis.AuthenticationError for a login Redis refuses (no retry mends a password)."""
         while not self.stop.stopping:
             try:
                 claim_keys(self.layout, self.redis, self.queues)  # self.keys: its keys
@@ -271,6 +272,8 @@ class Worker:
                 self.heartbeat.start()
                 return True
             except (*REDIS_DOWN, *REDIS_REFUSING) as exc:
+                if isinstance(exc, redis.AuthenticationError):
+                    raise
                 self.backoff.failed(exc, doing="starting")
                 time.sleep(self.backoff.delay())
         return False

@@ -199,6 +199,16 @@ def test_serve_names_a_database_redis_lacks(redis_server: RedisServer, tiny_mode
     assert_one_error(err, "batchd serve: Redis at", "no database 99")
 
 
+def test_serve_stops_at_a_login_redis_refuses(redis_server: RedisServer, tiny_model: Path) -> None:
+    """A wrong user or password is no outage to ride out: serve says so and exits 3 (a
+    supervisor's restart retries it, each time with the message)."""
+    url = f"redis://nobody:wrong@127.0.0.1:{redis_server.port}/0"
+    code, err = run_batchd("--redis-url", url, "serve", "--model", str(tiny_model))
+    assert code == 3, err
+    assert_one_error(err, "batchd serve: Redis at", "refused the login", "***")
+    assert ":wrong@" not in err  # the password stays hidden
+
+
 def test_make_model_mistakes(tmp_path: Path) -> None:
     short = tmp_path / "short.gguf"
     short.write_bytes(b"GGUF\x03\x00\x00\x00")
