@@ -98,7 +98,9 @@ def test_a_job_page_shows_tokens_arriving_and_ends_with_the_clients_text(
                 .observe(pre, {childList: true, characterData: true, subtree: true});
         }"""
     )
-    watch.page.wait_for_selector('[data-state="finished"]', timeout=90_000)
+    # Ended: the final event's text is shown (the status section can say finished a
+    # moment before, from its own event).
+    watch.page.wait_for_selector('[data-ended="1"]', state="attached", timeout=90_000)
     result = job.result(timeout=30)
     text = watch.page.locator('pre[data-index="0"]').text_content()
     assert text == result.text
@@ -120,7 +122,7 @@ def test_a_job_page_reloaded_mid_job_resumes_and_ends_with_the_clients_text(
         "() => document.querySelector('pre[data-index=\"0\"]').textContent.length > 0"
     )
     watch.page.reload()
-    watch.page.wait_for_selector('[data-state="finished"]', timeout=90_000)
+    watch.page.wait_for_selector('[data-ended="1"]', state="attached", timeout=90_000)
     result = job.result(timeout=30)
     assert watch.page.locator('pre[data-index="0"]').text_content() == result.text
 
