@@ -64,7 +64,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none"),
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "metadata": lambda v: True,  # tags kept on the job, within OpenAI's limits (check_metadata)
 }
 # Chat-only OpenAI parameters: accepted at their neutral value, else refused as unsupported
 # (never as unknown: OpenAI documents them).
@@ -85,7 +84,6 @@ WHY_REFUSED = {
     "best_of": "greater than 1 is not supported yet",
     "functions": "(deprecated) is not supported: use tools",
     "function_call": "(deprecated) is not supported: use tool_choice",
-    "metadata": "must be an object",
 }
 # OpenAI's sampling controls that map one to one onto job fields.
 SAME_NAME = ("top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "n")
@@ -289,7 +287,7 @@ def _common(
     user = body.pop("user", None)
     if user is not None and not isinstance(user, str):
         raise invalid("user", f"must be a string, got {user!r}")
-    metadata = body.get("metadata")
+    metadata = body.pop("metadata", None)  # tags kept on the job
     check_metadata(metadata)
     refuse_the_rest(body)
     if metadata is not None:

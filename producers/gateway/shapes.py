@@ -103,6 +103,22 @@ def content_tokens(tokens: list[Event]) -> list[Event]:
     return [e for e in tokens if not e.stop_token]
 
 
+def content_logprobs(tokens: list[Event], top: int) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprobs of a message's text (chat's ``logprobs.content``, the
+    Responses API's ``output_text`` part): token, logprob, bytes and up to ``top``
+    alternatives for each token but a stop token."""
+    out = []
+    for e in content_tokens(tokens):
+        token = token_text(e)
+        best = [
+            {"token": t, "logprob": lp, "bytes": token_bytes(e, i, t)}
+            for i, t, lp in alternatives(e, top)
+        ]
+        own = {"token": token, "logprob": e.logprob, "bytes": token_bytes(e, e.token_id, token)}
+        out.append(own | {"top_logprobs": best})
+    return out
+
+
 def add_prompt_logprobs(
     kind: str, body: dict[str, Any], pairs: list[tuple[int, float | None]]
 ) -> None:
@@ -168,22 +184,9 @@ class Shaper:
         (the event holding the prompt's logprobs) comes first."""
         if not self.logprobs:
             return None
-        tokens = content_tokens(tokens)
         if self.kind == CHAT:
-            content = []
-            for e in tokens:
-                token = token_text(e)
-                best = [
-                    {"token": t, "logprob": lp, "bytes": token_bytes(e, i, t)}
-                    for i, t, lp in alternatives(e, self.top_logprobs)
-                ]
-                entry = {
-                    "token": token,
-                    "logprob": e.logprob,
-                    "bytes": token_bytes(e, e.token_id, token),
-                }
-                content.append(entry | {"top_logprobs": best})
-            return {"content": content}
+            return {"content": content_logprobs(tokens, self.top_logprobs)}
+        tokens = content_tokens(tokens)
         texts: list[str] = []
         logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []

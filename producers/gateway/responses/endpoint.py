@@ -4,8 +4,8 @@ A request is read into the chat completion it amounts to (:func:`as_chat`) and m
 checked and submitted as one (:class:`~batchd.producers.gateway.online.Online`):
 
 - ``input`` (:mod:`.inputs`); ``instructions`` is a system message in front;
-- ``include`` and ``top_logprobs`` (logprobs), ``reasoning`` (none), ``metadata``
-  (:mod:`.fields`);
+- ``include`` and ``top_logprobs`` (logprobs), ``reasoning`` (none) (:mod:`.fields`);
+  ``metadata`` checked as chat's (OpenAI's limits);
 - ``max_output_tokens``, ``temperature``, ``top_p``, ``user``,
   ``text.format`` (``text``, ``json_object``, ``json_schema`` with its ``name``, as
   OpenAI requires: the output held to the schema), ``tools`` (functions),
@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from batchd.producers.gateway.errors import APIError, invalid, unsupported
 from batchd.producers.gateway.online import Online, read_json
-from batchd.producers.gateway.params import EXTRAS, Mapped, chat_request, check_metadata
+from batchd.producers.gateway.params import EXTRAS, Mapped, chat_request
 from batchd.producers.gateway.responses.fields import check_reasoning, echoed, logprobs_asked
 from batchd.producers.gateway.responses.inputs import input_messages
 from batchd.producers.gateway.responses.shapes import ResponseShaper, stream_events
@@ -158,7 +158,6 @@ def as_chat(body: dict[str, Any]) -> dict[str, Any]:
     if logprobs_asked(body.pop("include", None), top):
         chat.update(logprobs=True, top_logprobs=top)
     check_reasoning(body.pop("reasoning", None))
-    check_metadata(body.get("metadata"))
     for name in ("temperature", "top_p", "stream", "metadata", "parallel_tool_calls", *EXTRAS):
         if name in body:
             chat[name] = body.pop(name)

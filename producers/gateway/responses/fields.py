@@ -6,8 +6,6 @@ response object repeats of its request.
   (tool results, images, reasoning), so they change nothing.
 - ``reasoning``: batchd's models do not reason; ``null``, ``{}`` or effort ``none`` is
   accepted and echoed as ``{effort: null, summary: null}``, any other effort refused.
-- ``metadata``: OpenAI's limits (16 pairs, keys up to 64 characters, string values up to
-  512).
 """
 
 from __future__ import annotations

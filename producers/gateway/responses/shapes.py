@@ -29,14 +29,7 @@ import orjson
 from batchd.producers.gateway.errors import APIError, redis_failure
 from batchd.producers.gateway.params import Mapped
 from batchd.producers.gateway.refusals import failed
-from batchd.producers.gateway.shapes import (
-    CHAT,
-    alternatives,
-    cached_tokens,
-    content_tokens,
-    token_bytes,
-    token_text,
-)
+from batchd.producers.gateway.shapes import CHAT, cached_tokens, content_logprobs
 from batchd.producers.gateway.stream import KEEPALIVE
 from batchd.producers.gateway.tools.calls import Call, ContentGate, ToolUse, call_id, parse_calls
 from batchd.producers.result import FAILED_REASONS
@@ -139,16 +132,7 @@ class ResponseShaper:
         and ``top_logprobs`` alternatives; empty unless the request asked."""
         if self.logprobs is None:
             return []
-        out = []
-        for e in content_tokens(tokens):
-            token = token_text(e)
-            best = [
-                {"token": t, "bytes": token_bytes(e, i, t), "logprob": lp}
-                for i, t, lp in alternatives(e, self.logprobs)
-            ]
-            own = {"token": token, "bytes": token_bytes(e, e.token_id, token)}
-            out.append(own | {"logprob": e.logprob, "top_logprobs": best})
-        return out
+        return content_logprobs(tokens, self.logprobs)
 
     def function_call(self, number: int, call: Call, status: str) -> dict[str, Any]:
         ident = call_id(self.job_id, 0, number)

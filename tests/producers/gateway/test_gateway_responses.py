@@ -379,8 +379,13 @@ def test_an_answer_goes_back_as_input_as_the_agents_sdk_sends_it(
 def test_a_job_that_fails_mid_stream_ends_with_response_failed(
     oai: openai.OpenAI, gateway: Any
 ) -> None:
-    stream = oai.responses.create(
-        model=MODEL, input="Go on", max_output_tokens=2000, temperature=1.0, stream=True
+    stream = oai.responses.create(  # no end token ends it first: only the cancel can
+        model=MODEL,
+        input="Go on",
+        max_output_tokens=2000,
+        temperature=1.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     events = []
     with Client(gateway.redis_url) as client:
