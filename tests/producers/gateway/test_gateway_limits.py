@@ -91,5 +91,10 @@ def test_redis_down_is_503_without_the_url(tmp_path: Any, start_gateway: Any) ->
             client.completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert caught.value.status_code == 503
         assert "hunter2" not in caught.value.response.text
+        for listing in (client.files.list, client.batches.list):  # the per-key indexes
+            with pytest.raises(openai.APIStatusError) as caught:
+                listing()
+            assert caught.value.status_code == 503, listing
+            assert "hunter2" not in caught.value.response.text
         health = httpx.get(f"{gw.url}/health")
         assert health.status_code == 503 and "hunter2" not in health.text
