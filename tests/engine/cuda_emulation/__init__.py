@@ -1,0 +1,1 @@
+"""Check `mx.fast.cuda_kernel` sources without a GPU: NVRTC compile check, CPU emulation."""
