@@ -28,6 +28,7 @@ from batchd.engine.constraints import GrammarTokenizer
 from batchd.engine.detokenizer import TokenTexts, special_token_ids
 from batchd.engine.forward import kv_quant
 from batchd.engine.forward.backend import choose as choose_backend
+from batchd.engine.forward.cuda_paged import KernelShape
 from batchd.engine.forward.generic_runner import GenericRunner
 from batchd.engine.forward.kv_pool import KVPool, size_pool
 from batchd.engine.forward.model_runner import ModelRunner
@@ -92,6 +93,9 @@ class LLMEngine:
             dtype=loaded.spec.dtype,
             quantized_kv=quant is not None,
             generic=loaded.spec.generic,
+            shape=KernelShape(
+                loaded.spec.num_heads, loaded.spec.num_kv_heads, loaded.spec.head_dim
+            ),
         )
         log.info("forward backend: %s", self.backend.describe())
         self.sampler = make_sampler(self.backend.sampler)

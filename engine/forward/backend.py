@@ -13,6 +13,10 @@ in, logits ``mx.array [rows, vocab]`` out):
 ``auto`` takes ``native_cpu`` where it can run and was not switched off
 (``BATCHD_NATIVE_ATTENTION=0``), ``mlx`` otherwise; the reason is logged at start,
 shown by ``batchd doctor`` and exported as a metric label.
+
+On the ``mlx`` backend, decode attention reads the pool either through gathers
+(``gather``, everywhere) or, on a CUDA GPU, through the paged kernel of
+batchd.engine.forward.cuda_paged (``cuda_paged``), where the model's shape allows it.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import mlx.core as mx
 
-from batchd.engine.forward import fast_math, native
+from batchd.engine.forward import cuda_paged, fast_math, native
+from batchd.engine.forward.cuda_paged import KernelShape
 from batchd.engine.sampling.samplers import DEVICE, HOST, SAMPLERS
 
 AUTO = "auto"
 MLX = "mlx"
 NATIVE_CPU = "native_cpu"
 BACKENDS = (AUTO, MLX, NATIVE_CPU)
+
+# How the mlx backend's decode attention reads the KV pool.
+GATHER = "gather"
+CUDA_PAGED = "cuda_paged"
 
 
 @dataclass(frozen=True)
@@ -40,9 +49,15 @@ class BackendChoice:
     name: str
     sampler: str
     reason: str
+    # The mlx backend's decode attention (GATHER or CUDA_PAGED) and why; None on native_cpu.
+    attention: str | None = None
+    attention_reason: str = ""
 
     def describe(self) -> str:
-        return f"{self.name} (sampling on the {self.sampler}): {self.reason}"
+        text = f"{self.name} (sampling on the {self.sampler}): {self.reason}"
+        if self.attention is not None:
+            text += f"; decode attention: {self.attention} ({self.attention_reason})"
+        return text
 
 
 def native_problem(*, dtype: mx.Dtype | None, quantized_kv: bool, generic: bool) -> str | None:
@@ -72,9 +87,12 @@ def choose(
     dtype: mx.Dtype | None,
     quantized_kv: bool = False,
     generic: bool = False,
+    shape: KernelShape | None = None,
 ) -> BackendChoice:
     """The backend for ``requested`` (one of BACKENDS) and the sampler for ``sampler``
-    (``auto``, or one of SAMPLERS); ValueError for ``native_cpu`` where it cannot run."""
+    (``auto``, or one of SAMPLERS); ValueError for ``native_cpu`` where it cannot run.
+    ``shape``: the model's attention heads, for the choice of decode attention (None:
+    not known, as for ``batchd doctor``)."""
     if requested not in BACKENDS:
         raise ValueError(f"forward backend {requested!r}: expected one of {', '.join(BACKENDS)}")
     if sampler != AUTO and sampler not in SAMPLERS:
@@ -91,4 +109,19 @@ def choose(
         name, reason = MLX, problem
     if sampler == AUTO:
         sampler = HOST if name == NATIVE_CPU else DEVICE
-    return BackendChoice(name, sampler, reason)
+    if name == NATIVE_CPU:
+        return BackendChoice(name, sampler, reason)
+    attention, why = _decode_attention(shape, quantized_kv=quantized_kv, generic=generic)
+    return BackendChoice(name, sampler, reason, attention, why)
+
+
+def _decode_attention(
+    shape: KernelShape | None, *, quantized_kv: bool, generic: bool
+) -> tuple[str, str]:
+    """The mlx backend's decode attention and why."""
+    if generic:
+        return GATHER, "mlx-lm's own forward attends"
+    problem = cuda_paged.problem(shape, quantized_kv=quantized_kv)
+    if problem is not None:
+        return GATHER, problem
+    return CUDA_PAGED, "the paged kernel reads KV blocks in place on the CUDA GPU"

@@ -50,9 +50,10 @@ import mlx.nn as nn
 import numpy as np
 
 from batchd.engine.adapters.resident import AdapterCache, chunk_adapter
-from batchd.engine.forward import fast_math, native
-from batchd.engine.forward.backend import AUTO, NATIVE_CPU, BackendChoice
+from batchd.engine.forward import cuda_paged, fast_math, native
+from batchd.engine.forward.backend import AUTO, CUDA_PAGED, NATIVE_CPU, BackendChoice
 from batchd.engine.forward.backend import choose as choose_backend
+from batchd.engine.forward.cuda_paged import KernelShape
 from batchd.engine.forward.kv_pool import KVPool
 from batchd.engine.forward.native_forward import NativeForward
 from batchd.engine.forward.packed_model import pack_model
@@ -60,6 +61,7 @@ from batchd.engine.forward.paged_attention import decode_attention, prefill_atte
 from batchd.engine.forward.step_plan import (
     ROW_MULTIPLE,
     ChunkInput,
+    PagedDecodes,
     StepPlan,
     num_logits,
     padded_rows,
@@ -109,9 +111,15 @@ class ModelRunner:
         self._row_multiple = ROW_MULTIPLE if on_cpu else 1
         # The C kernels read a float pool in place; a quantized one runs on MLX's path.
         self.backend = backend or choose_backend(
-            AUTO, dtype=spec.dtype, quantized_kv=pool.quant is not None
+            AUTO,
+            dtype=spec.dtype,
+            quantized_kv=pool.quant is not None,
+            shape=KernelShape(spec.num_heads, spec.num_kv_heads, spec.head_dim),
         )
         self.native_attention = self.backend.name == NATIVE_CPU
+        # Decode rows through the CUDA paged kernel (batchd.engine.forward.cuda_paged).
+        self.cuda_paged = self.backend.attention == CUDA_PAGED
+        self._scale_array = mx.array([self._scale], dtype=mx.float32)
         self._threads = cpu_lanes()
         self._packed = (
             pack_model(model, spec) if self.native_attention and native.products_enabled() else None
@@ -226,6 +234,7 @@ class ModelRunner:
             num_kv_heads=self.spec.num_kv_heads,
             kernel=self.native_attention,
             packed=self._packed is not None,
+            paged_decodes=self.cuda_paged,
         )
 
     def _forward(self, plan: StepPlan) -> mx.array:
@@ -253,6 +262,8 @@ class ModelRunner:
             if plan.kernel_rows is not None:
                 attended = self._kernel_attention(q[:real], index, plan.kernel_rows)
                 parts.append(mx.array(attended))
+            if plan.paged_decodes is not None:
+                parts.append(self._paged_decode(q, index, plan.paged_decodes))
             for g in plan.decode_groups:
                 with mx.stream(streams[g.lane]):
                     queries = q[g.row_start : g.row_end]
@@ -278,6 +289,18 @@ class ModelRunner:
             x = x + attn.o_proj(out)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return x
+
+    def _paged_decode(self, q: mx.array, layer: int, rows: PagedDecodes) -> mx.array:
+        """The decode rows' attention by the CUDA paged kernel, [rows, heads * dim]."""
+        return cuda_paged.paged_decode(
+            q[: rows.count],
+            self.pool.k[layer],
+            self.pool.v[layer],
+            rows.tables,
+            rows.lengths,
+            self._scale_array,
+            block_size=self.pool.block_size,
+        )
 
     def _packed_forward(self, plan: StepPlan) -> np.ndarray:
         """The native_cpu backend's forward (batchd.engine.forward.native_forward)."""

@@ -5,7 +5,9 @@ Decode rows come first, longest sequence first, then the prefill chunks. The pac
 batch is padded to the row multiple of the CPU's products (ROW_MULTIPLE), and so are
 the rows the output projection runs on. Attention reads its rows either through the C
 kernel's per-row block tables (``kernel_rows``) or through MLX's decode groups and
-prefill chunks (batchd.engine.forward.paged_attention). Built once a step with NumPy
+prefill chunks (batchd.engine.forward.paged_attention); on a CUDA GPU the decode rows
+go to the paged kernel instead of groups (``paged_decodes``, per-row tables as device
+arrays; batchd.engine.forward.cuda_paged). Built once a step with NumPy
 by ModelRunner (batchd.engine.forward.model_runner), which reads chunks through the
 small ChunkInput protocol, so tests can drive it with hand-built batches.
 """
@@ -82,6 +84,16 @@ def num_logits(chunk: ChunkInput) -> int:
 
 
 @dataclass(frozen=True)
+class PagedDecodes:
+    """The first ``count`` packed rows (the decodes) for the CUDA paged kernel: each row's
+    block table ``[count, width]`` and keys to attend ``[count]``, int32."""
+
+    count: int
+    tables: mx.array
+    lengths: mx.array
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Index arrays of one step, built once with NumPy and shared by all layers."""
 
@@ -96,6 +108,8 @@ class StepPlan:
     sample_rows: np.ndarray | None
     sample_order: list[int]  # chunk index of each sampled row, in row order
     first_rows: dict[int, int]  # chunk index -> its first packed row
+    # With the CUDA paged kernel: the decode rows, instead of decode groups.
+    paged_decodes: PagedDecodes | None = None
 
 
 def plan_step(
@@ -108,10 +122,12 @@ def plan_step(
     num_kv_heads: int,
     kernel: bool,
     packed: bool,
+    paged_decodes: bool = False,
 ) -> StepPlan:
     """The plan of a step of ``chunks`` over a pool of ``block_size`` blocks, padded to
     ``row_multiple`` rows. ``kernel``: attention runs in the C kernel (per-row block
-    tables), else in MLX's decode groups over ``lanes`` streams and prefill chunks.
+    tables), else in MLX's decode groups over ``lanes`` streams (the CUDA paged kernel
+    with ``paged_decodes``) and prefill chunks.
     ``fed`` replaces one-token chunks' ids (ModelRunner.execute_scored), never with the
     ``packed`` products. Raises ValueError for a chunk whose slots and tokens differ in
     number, or ``fed`` ids that do not fit."""
@@ -139,12 +155,18 @@ def plan_step(
             m = num_logits(c)
             sample_rows.extend(range(len(tokens) - m, len(tokens)))
             sample_order.extend([i] * m)
+    paged: PagedDecodes | None = None
+    groups: list[DecodeGroup] = []
+    prefill_chunks: list[PrefillChunk] = []
     if kernel:
         kernel_rows = _kernel_rows(chunks, order, positions, block_size)
-        groups, prefill_chunks = [], []
     else:
         kernel_rows = None
-        groups = _decode_groups(chunks, decodes, block_size, lanes, num_kv_heads)
+        if paged_decodes and decodes:
+            tables, lengths = _kernel_rows(chunks, decodes, positions[: len(decodes)], block_size)
+            paged = PagedDecodes(len(decodes), mx.array(tables), mx.array(lengths))
+        elif not paged_decodes:
+            groups = _decode_groups(chunks, decodes, block_size, lanes, num_kv_heads)
         prefill_chunks = _prefill_chunks(chunks, prefills, first_rows, block_size)
     # Padding rows: token 0 at position 0, never written to the pool nor attended; the
     # output projection runs on padded rows too (repeats of row 0, dropped after).
@@ -161,6 +183,7 @@ def plan_step(
         sample_rows=np.asarray(sample_rows, dtype=np.int32) if sample_rows else None,
         sample_order=sample_order,
         first_rows=first_rows,
+        paged_decodes=paged,
     )
 
 
