@@ -78,36 +78,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# batchd bench",
         "",
-        f"Model `{s['model_label']}` ({s['dtype']}), max_num_seqs {s['max_num_seqs']}, "
+        f"Model `{s['model_label']}` ({s['dtype']}{_weight_bits(s)}), "
+        f"max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, {bound}"
         f"{_other_engine_options(s)}scale {s['scale']}.",
         f"Machine: {m['platform']}, {_cpu(m)}{m['cpu_count']} CPUs, "
-        f"mlx {m['mlx']} ({m['device']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
+        f"mlx {m['mlx']} (default device {m['device']}{_device_name(m)}), "
+        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
         f"matmul {limit['matmul_gflops']} GFLOP/s.",
     ]
-    throughput = _throughput_results(report)
-    if throughput:
-        lines += [
-            "",
-            "| workload | system | requests | output tokens | tok/s | batchd vs it "
-            "| TTFT p50 s | TTFT p99 s | MFU |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-    for name, result in throughput.items():
-        ratios = result.get("ratios", {})
-        for key, fig in result["systems"].items():
-            lines.append(
-                f"| {name} | {fig['label']} | {fig['requests']} | {fig['output_tokens']} "
-                f"| {fig['tok_s']:.1f} | {_ratio(ratios.get(f'vs_{key}'))} "
-                f"| {fig['ttft_p50_s']:.3f} | {fig['ttft_p99_s']:.3f} | {fig['mfu']:.1%} |"
-            )
-        for key, reason in result["unavailable"].items():
-            lines.append(f"| {name} | {LABELS[key]} | | | {reason} | | | | |")
-        lim = result["limit"]
-        lines.append(
-            f"| {name} | FLOP limit ({lim['workload_gflop']} GFLOP) | {result['requests']} "
-            f"| {result['output_tokens']} | {lim['limit_tok_s']:.0f} | | | | 100% |"
-        )
+    lines += _throughput_lines(report)
     online = report["workloads"].get("online")
     if online is not None:
         lines += [
@@ -135,6 +115,61 @@ def markdown(report: dict[str, Any]) -> str:
     lines += _later_lines(report["workloads"])
     lines += ["", f"**{report['headline']}**", ""]
     return "\n".join(lines)
+
+
+def _throughput_lines(report: dict[str, Any]) -> list[str]:
+    """The throughput table: MFU of the FLOP limit (the run's matmul rate) per system,
+    and MFU of the device's peak where the report has one (--peak-tflops, or a GPU's
+    datasheet), then how both are computed."""
+    throughput = _throughput_results(report)
+    if not throughput:
+        return []
+    peak = report["limit"].get("peak_tflops")
+    # The MFU of peak column: only in reports with a peak.
+    extra, cell = (" MFU of peak |", " |") if peak else ("", "")
+    lines = [
+        "",
+        "| workload | system | requests | output tokens | tok/s | batchd vs it "
+        f"| TTFT p50 s | TTFT p99 s | MFU |{extra}",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if peak else ""),
+    ]
+    for name, result in throughput.items():
+        ratios = result.get("ratios", {})
+        for key, fig in result["systems"].items():
+            of_peak = f" {_share(fig.get('mfu_peak'))} |" if peak else ""
+            lines.append(
+                f"| {name} | {fig['label']} | {fig['requests']} | {fig['output_tokens']} "
+                f"| {fig['tok_s']:.1f} | {_ratio(ratios.get(f'vs_{key}'))} "
+                f"| {fig['ttft_p50_s']:.3f} | {fig['ttft_p99_s']:.3f} | {fig['mfu']:.1%} |"
+                + of_peak
+            )
+        for key, reason in result["unavailable"].items():
+            lines.append(f"| {name} | {LABELS[key]} | | | {reason} | | | | |{cell}")
+        lim = result["limit"]
+        lines.append(
+            f"| {name} | FLOP limit ({lim['workload_gflop']} GFLOP) | {result['requests']} "
+            f"| {result['output_tokens']} | {lim['limit_tok_s']:.0f} | | | | 100% |{cell}"
+        )
+    return [*lines, "", _mfu_note(report["limit"])]
+
+
+def _mfu_note(limit: dict[str, Any]) -> str:
+    """How MFU and MFU of peak are computed, and the peak's source (reports from before
+    the peak was recorded have neither)."""
+    note = "MFU: tok/s over the FLOP limit's tok/s (at the run's float32 matmul rate)."
+    if "flops_formula" not in limit:
+        return note
+    note += f" {limit['flops_formula'][0].upper()}{limit['flops_formula'][1:]}"
+    if limit.get("peak_tflops"):
+        return note + f"; peak {limit['peak_tflops']:g} TFLOP/s ({limit['peak_source']})."
+    return note + "; MFU of peak: n/a (no --peak-tflops, and no GPU whose peak is known)."
+
+
+def _share(value: float | None) -> str:
+    """A fraction as a percentage to 3 significant digits: a small model's MFU of a
+    GPU's peak can be well under 0.1%."""
+    return "n/a" if value is None else f"{value * 100:.3g}%"
 
 
 def _later_lines(results: dict[str, Any]) -> list[str]:
@@ -315,6 +350,18 @@ def _ttft_panel(ax: Any, report: dict[str, Any]) -> None:
     ax.set_title(f"TTFT distribution ({source})")
     if systems:
         ax.legend(fontsize="small")
+
+
+def _weight_bits(settings: dict[str, Any]) -> str:
+    # Reports from before the weights' bits were recorded have none; unquantized: None.
+    bits = settings.get("weight_bits")
+    return f", {bits}-bit quantized weights" if bits else ""
+
+
+def _device_name(machine: dict[str, Any]) -> str:
+    # Reports from before the device's name was recorded have none.
+    name = machine.get("device_name")
+    return f", {name}" if name else ""
 
 
 def _cpu(machine: dict[str, Any]) -> str:

@@ -20,6 +20,14 @@ from batchd.daemon.bench import queue
 from batchd.daemon.bench.engine_system import backends_headline
 from batchd.daemon.bench.limit import ModelFlops, limit_summary, matmul_gflops
 from batchd.daemon.bench.online import run_online, saturation_rate
+from batchd.daemon.bench.peak import (
+    FLOPS_FORMULA,
+    Peak,
+    device_name,
+    on_gpu,
+    peak_figures,
+    resolve_peak,
+)
 from batchd.daemon.bench.progress import Progress
 from batchd.daemon.bench.speculative import run_speculative, speculative_headline
 from batchd.daemon.bench.sweep import (
@@ -100,6 +108,9 @@ class BenchOptions:
     # The speculative workload: the method compared with off, and its draft model.
     speculative_method: str = "ngram"
     speculative_draft_model: str | None = None
+    # The device's peak TFLOP/s for MFU of peak (None: batchd.daemon.bench.peak's table
+    # on a GPU it knows, else no MFU of peak).
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         known = WORKLOADS + EXTRA_WORKLOADS
@@ -120,6 +131,7 @@ def machine_info() -> dict[str, Any]:
         "mlx": metadata.version("mlx"),
         "mlx_lm": metadata.version("mlx-lm"),
         "device": str(mx.default_device()),
+        "device_name": device_name(),
         "blas": loaded_openblas() or ("Accelerate" if sys.platform == "darwin" else "bundled"),
         "blas_kernels": loaded_core(),
     }
@@ -132,6 +144,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     progress.phase("limit: timing a float32 matmul")
     gflops = matmul_gflops(size=options.scale.matmul_size)
     progress.say(f"matmul rate {gflops:.0f} GFLOP/s")
+    machine = machine_info()
+    peak = resolve_peak(options.peak_tflops, machine["device_name"], gpu=on_gpu())
     systems = Systems(
         SystemSettings(
             model_path=options.model_path,
@@ -147,6 +161,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "model": str(options.model_path),
             "model_label": options.model_label,
             "dtype": config.get("torch_dtype"),
+            # A GGUF kept quantized (the default where MLX has a GPU): its weights' bits.
+            "weight_bits": (config.get("quantization") or {}).get("bits"),
             "max_num_seqs": options.engine.max_num_seqs,
             "max_num_batched_tokens": options.engine.max_num_batched_tokens,
             "max_prefill_tokens_with_decodes": options.engine.max_prefill_tokens_with_decodes,
@@ -164,12 +180,16 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "queue_rounds": options.queue_rounds,
             "command": options.command,
         },
-        "machine": machine_info(),
+        "machine": machine,
         "limit": {
             "matmul_gflops": round(gflops, 1),
             "matmul_size": options.scale.matmul_size,
             "mflop_per_output_token": round(flops.per_output_token / 1e6, 2),
             "mflop_per_prompt_token": round(flops.linear_per_token / 1e6, 2),
+            "mflop_per_attended_key": round(flops.attention_per_key / 1e6, 4),
+            "flops_formula": FLOPS_FORMULA,
+            "peak_tflops": peak.tflops if peak else None,
+            "peak_source": peak.source if peak else None,
         },
         "workloads": {},
     }
@@ -183,7 +203,12 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
     for name in THROUGHPUT_WORKLOADS:
         if name in options.workloads:
             results[name] = offline_workload(
-                systems, workloads[name], OFFLINE_SYSTEMS[name], flops=flops, scale=options.scale
+                systems,
+                workloads[name],
+                OFFLINE_SYSTEMS[name],
+                flops=flops,
+                scale=options.scale,
+                peak=peak,
             )
     if "online" in options.workloads:
         results["online"] = online_workload(systems, short_mixed, options, results)
@@ -231,11 +256,13 @@ def offline_workload(
     *,
     flops: ModelFlops,
     scale: Scale,
+    peak: Peak | None = None,
 ) -> dict[str, Any]:
     """Every system on ``workload`` (sequential on a subset); throughput ratios and MFU.
 
     The matmul rate is measured again right before the workload, so the limit
-    reflects the machine's load at the time the systems run.
+    reflects the machine's load at the time the systems run. Each system's model
+    GFLOP/s (and MFU of ``peak``, if known) count the requests it ran.
     """
     limit = limit_summary(flops, workload, matmul_gflops(size=scale.matmul_size))
     result: dict[str, Any] = {
@@ -256,6 +283,7 @@ def offline_workload(
             continue
         summary = stats.summary()
         summary["mfu"] = round(summary["tok_s"] / limit["limit_tok_s"], 4)
+        summary |= peak_figures(flops, part, stats.wall_s, peak)
         result["systems"][key] = {"label": LABELS[key], **summary}
     done = result["systems"]
     if BATCHD in done:
@@ -318,7 +346,7 @@ def headline(report: dict[str, Any]) -> str:
             for key in OFFLINE_ORDER
             if f"vs_{key}" in ratios
         ]
-        parts.append(f"{name} " + ", ".join(figures))
+        parts.append(f"{name} " + ", ".join(figures) + _peak_shares(results[name]["systems"]))
     online = results.get("online")
     if online is not None and "ratios" in online:
         ours, peer = online["systems"][BATCHD], online["systems"][BATCHGEN]
@@ -342,6 +370,14 @@ def headline(report: dict[str, Any]) -> str:
     if "backends" in results:
         parts.append(backends_headline(results["backends"]))
     return "; ".join(parts)
+
+
+def _peak_shares(systems: dict[str, Any]) -> str:
+    """batchd's and BatchGenerator's MFU of the device's peak, where the run has one."""
+    ours, peer = systems.get(BATCHD, {}), systems.get(BATCHGEN, {})
+    if "mfu_peak" not in ours or "mfu_peak" not in peer:
+        return ""
+    return f" (MFU of peak {ours['mfu_peak']:.2%} vs {peer['mfu_peak']:.2%})"
 
 
 def _queue_requests(options: BenchOptions, vocab_size: int) -> Workload | None:

@@ -62,7 +62,8 @@ def register(sub: Any) -> None:
     )
     add_model_option(
         p,
-        help="a preset (random-weight shapes, bench-moe a mixture of experts; smollm2, "
+        help="a preset (random-weight shapes, bench-moe a mixture of experts, bench-llama8b "
+        "Llama-3-8B's shape in bfloat16 for a GPU; smollm2, "
         "gemma3-270m: the real SmolLM2-135M and Gemma 3 270M), built into "
         f"{model_cache()}/NAME if absent, a model directory (mlx-lm format) or a .gguf file; "
         "--preset is the same option (default: bench-small)",
@@ -163,6 +164,16 @@ def register(sub: Any) -> None:
         metavar="S",
         help="gateway: seconds the steady load goes on after Redis is back (default: 8)",
     )
+    p.add_argument(
+        "--peak-tflops",
+        type=_positive_tflops,
+        default=None,
+        metavar="X",
+        help="mixed, shared-prefix: the device's peak TFLOP/s, for each system's MFU of peak "
+        "(model FLOPs per second over X; default: on a GPU, its dense bfloat16 peak from "
+        "NVIDIA's datasheets, e.g. 989.5 for an H100 or H200 SXM; on the CPU none, and "
+        "no MFU of peak)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     # Test knob: a scale smaller than --quick (tests/test_bench_smoke.py).
     p.add_argument("--scale", choices=["full", "quick", "tiny"], help=argparse.SUPPRESS)
@@ -185,6 +196,16 @@ def _positive_seconds(text: str) -> float:
         value = 0.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _positive_tflops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of TFLOP/s, got {text!r}")
     return value
 
 
@@ -271,6 +292,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         queue_partitions=settings.queue.partitions,
         speculative_method=args.speculative_method,
         speculative_draft_model=args.draft_model,
+        peak_tflops=args.peak_tflops,
         command=(
             f"batchd bench --workload {args.workload} "
             + f"--model {args.model or label}"
@@ -282,6 +304,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             + (f" --queue-daemons {args.queue_daemons}" if args.queue_daemons > 1 else "")
             + (f" --queue-requests {args.queue_requests}" if args.queue_requests else "")
             + _speculative_options(args)
+            + (f" --peak-tflops {args.peak_tflops:g}" if args.peak_tflops else "")
         ),
     )
     report = run_bench(options, Progress())

@@ -4,7 +4,9 @@ A fixture is an ordinary model directory (config.json, safetensors, the byte-lev
 BPE tokenizer of batchd.engine.models.model_fixture), built from mlx-lm's own
 ModelArgs and Model: hidden 64, 2 layers, 4 heads over 2 KV heads, vocabulary
 1024. Weights are seeded; the output head is scaled so the logits spread like a
-trained model's (near-ties rare, as model_fixture explains).
+trained model's (near-ties rare, as model_fixture explains). The presets built here
+(batchd.engine.models.presets.ARCH_PRESETS) override that shape; one in bfloat16
+(bench-llama8b, 8B parameters) is drawn by MLX on the default device instead.
 """
 
 from __future__ import annotations
@@ -104,26 +106,56 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def arch_config(arch: str) -> dict[str, Any]:
-    """The config.json of the ``arch`` fixture (without token ids)."""
-    return {"model_type": arch, **_BASE, **ARCH_CONFIGS[arch]}
+    """The config.json of the ``arch`` fixture (without token ids); an architecture with
+    no entry in ARCH_CONFIGS (e.g. a preset's ``llama``) takes the base shape alone."""
+    return {"model_type": arch, **_BASE, **ARCH_CONFIGS.get(arch, {})}
 
 
 def build_model(config: dict[str, Any], *, seed: int = 0) -> Any:
-    """mlx-lm's Model for ``config`` with seeded random float32 weights."""
+    """mlx-lm's Model for ``config`` with seeded random weights in its ``torch_dtype``.
+
+    float32 (every test fixture): NumPy draws, byte-identical on every machine. Any
+    other dtype (bench-llama8b, 16 GB in bfloat16): see _draw_in_dtype.
+    """
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(seed)
+    dtype = getattr(mx, str(config.get("torch_dtype", "float32")))
+    if dtype == mx.float32:
 
-    def draw(path: str, value: mx.array) -> mx.array:
-        if "norm" in path or value.ndim < 2:
-            return value  # norms, biases and scales keep mlx-lm's init
-        return mx.array((rng.standard_normal(value.shape) * 0.15).astype(np.float32))
+        def draw(path: str, value: mx.array) -> mx.array:
+            if "norm" in path or value.ndim < 2:
+                return value  # norms, biases and scales keep mlx-lm's init
+            return mx.array((rng.standard_normal(value.shape) * 0.15).astype(np.float32))
 
-    model.update(tree_map_with_path(draw, model.parameters()))
+        model.update(tree_map_with_path(draw, model.parameters()))
+    else:
+        _draw_in_dtype(model, dtype, seed)
     _spread_logits(model, rng, int(config["vocab_size"]))
     return model
+
+
+def _draw_in_dtype(model: Any, dtype: mx.Dtype, seed: int) -> None:
+    """Replace every weight by MLX's seeded normal draw made in ``dtype`` on the default
+    device (a GPU's in seconds), of standard deviation 1/sqrt(fan-in) so activations stay
+    near 1 at any width; norms, biases and scales keep mlx-lm's init, cast to ``dtype``.
+
+    Each tensor is evaluated as it is drawn, so peak memory is the model plus one draw:
+    NumPy's float32 draws of an 8B model would take minutes and twice its memory, and
+    mlx-lm's own float32 init, never evaluated, is dropped.
+    """
+    params: Any = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    for index, (path, value) in enumerate(params):
+        if "norm" in path or value.ndim < 2:
+            drawn = value.astype(dtype)
+        else:
+            scale = float(value.shape[-1]) ** -0.5
+            drawn = mx.random.normal(value.shape, dtype=dtype, scale=scale, key=keys[index])
+        mx.eval(drawn)
+        model.load_weights([(path, drawn)], strict=False)
 
 
 def _spread_logits(model: Any, rng: np.random.Generator, vocab: int) -> None:
@@ -135,7 +167,7 @@ def _spread_logits(model: Any, rng: np.random.Generator, vocab: int) -> None:
     if head is None:
         return
     for _ in range(3):
-        std = float(np.std(np.array(model(probe))))
+        std = float(np.std(np.array(model(probe).astype(mx.float32))))
         if not np.isfinite(std) or std == 0:
             break
         named = dict(tree_flatten(model.parameters()))

