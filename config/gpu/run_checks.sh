@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Why: a lent GPU comes for minutes, once, with no network; every check that needs one
+# (issue 53's CUDA points) runs here in one call, each step under its own time limit
+# within one deadline, so a slow or failing step costs its own result only.
+# On the device, after the staging calls (config/gpu/stage.sh), from the repo root:
+#   bash config/gpu/run_checks.sh [SECONDS]      (the deadline, default 540)
+# Writes $OUT/run.log and $OUT/results.tgz (bench reports, test reports, timings),
+# refreshed after every step, so a call cut short still returns what was done.
+set -u
+deadline=$(($(date +%s) + ${1:-540}))
+out=${OUT:-/tmp/gpu-out}
+res=/tmp/gpu-results
+mkdir -p "$out" "$res"
+exec > >(tee -a "$out/run.log") 2>&1
+export PYTHONUNBUFFERED=1
+
+pack() { tar -czf "$out/results.tgz" -C "$res" . 2>/dev/null; }
+
+# step NAME LIMIT CMD...: runs CMD for at most LIMIT seconds and never past the deadline.
+step() {
+  local name=$1 limit=$2 left rc start
+  shift 2
+  left=$((deadline - $(date +%s)))
+  ((left < limit)) && limit=$left
+  if ((limit < 10)); then
+    echo "=== $name: skipped, the deadline is near"
+    return 1
+  fi
+  start=$(date +%s)
+  echo "=== $name (limit ${limit}s, $(date +%T))"
+  timeout -k 5 "$limit" "$@"
+  rc=$?
+  echo "=== $name: rc=$rc after $(($(date +%s) - start))s"
+  echo "$name rc=$rc seconds=$(($(date +%s) - start))" >>"$res/steps.txt"
+  pack
+  return $rc
+}
+
+# shellcheck source=config/gpu/install.sh
+source config/gpu/install.sh || { echo "install failed"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv \
+  | tee "$res/gpu.txt"
+python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info())' \
+  | tee -a "$res/gpu.txt"
+
+pytest_args=(-p no:cacheprovider -o addopts= -o "filterwarnings=ignore::DeprecationWarning" -q -n 0 -ra)
+if ! step kernel 150 python3 -m pytest "${pytest_args[@]}" \
+  --junitxml="$res/kernel.xml" tests/engine/forward/test_cuda_paged.py; then
+  echo "the paged kernel failed its checks: the benches below measure the gather path"
+  export BATCHD_CUDA_PAGED_KERNEL=0
+  echo "benches with BATCHD_CUDA_PAGED_KERNEL=0" >>"$res/steps.txt"
+fi
+step attention 60 python3 config/gpu/attention_bench.py --json "$res/attention.json"
+step parity 150 python3 -m pytest "${pytest_args[@]}" --junitxml="$res/parity.xml" \
+  tests/engine/test_parity.py tests/engine/test_parity_smollm2.py
+
+bench() {
+  local model=$1 workload=$2 limit=$3
+  shift 3
+  step "bench-$model-$workload" "$limit" batchd bench --model "$model" --workload "$workload" \
+    --out "$res/$model-$workload" "$@"
+}
+bench bench-llama8b mixed 200 --max-num-seqs 64
+bench smollm2 mixed 100
+bench bench-llama8b shared-prefix 100 --max-num-seqs 64
+bench smollm2 shared-prefix 80
+echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
+cat "$res/steps.txt"
