@@ -3,7 +3,8 @@
 # (issue 53's CUDA points) runs here in one call, each step under its own time limit
 # within one deadline, so a slow or failing step costs its own result only.
 # On the device, after the staging calls (config/gpu/stage.sh), from the repo root:
-#   bash config/gpu/run_checks.sh [SECONDS]      (the deadline, default 540)
+#   bash config/gpu/run_checks.sh [SECONDS [STEP...]]   (deadline, default 540; steps: the
+#   functions below, default kernel attention llama8b_mixed parity smollm2_mixed ...)
 # Writes $OUT/run.log and $OUT/results.tgz (bench reports, test reports, timings),
 # refreshed after every step, so a call cut short still returns what was done.
 set -u
@@ -44,13 +45,8 @@ python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
   | tee -a "$res/gpu.txt"
 
 pytest_args=(-p no:cacheprovider -o addopts= -o "filterwarnings=ignore::DeprecationWarning" -q -n 0 -ra)
-if ! step kernel 150 python3 -m pytest "${pytest_args[@]}" \
-  --junitxml="$res/kernel.xml" tests/engine/forward/test_cuda_paged.py; then
-  echo "the paged kernel failed its checks: the benches below measure the gather path"
-  export BATCHD_CUDA_PAGED_KERNEL=0
-  echo "benches with BATCHD_CUDA_PAGED_KERNEL=0" >>"$res/steps.txt"
-fi
-step attention 60 python3 config/gpu/attention_bench.py --json "$res/attention.json"
+parity_tests=(-k "(mixed_batches and mlx) or chunked_prefill or smollm2"
+  tests/engine/test_parity.py tests/engine/test_parity_smollm2.py)
 
 bench() {
   local model=$1 workload=$2 limit=$3
@@ -58,13 +54,38 @@ bench() {
   step "bench-$model-$workload" "$limit" batchd bench --model "$model" --workload "$workload" \
     --out "$res/$model-$workload" "$@"
 }
-bench bench-llama8b mixed 200 --max-num-seqs 64
+
+kernel() {
+  step kernel 150 python3 -m pytest "${pytest_args[@]}" --junitxml="$res/kernel.xml" \
+    tests/engine/forward/test_cuda_paged.py && return
+  echo "the paged kernel failed its checks: the benches below measure the gather path"
+  export BATCHD_CUDA_PAGED_KERNEL=0
+  echo "benches with BATCHD_CUDA_PAGED_KERNEL=0" >>"$res/steps.txt"
+}
+attention() { step attention 60 python3 config/gpu/attention_bench.py --json "$res/attention.json"; }
 # On a GPU "auto" is the mlx backend too: one backend's cases, both architectures.
-step parity 120 python3 -m pytest "${pytest_args[@]}" --junitxml="$res/parity.xml" \
-  -k "(mixed_batches and mlx) or chunked_prefill or smollm2" \
-  tests/engine/test_parity.py tests/engine/test_parity_smollm2.py
-bench smollm2 mixed 100
-bench bench-llama8b shared-prefix 100 --max-num-seqs 64
-bench smollm2 shared-prefix 80
+parity() { step parity 120 python3 -m pytest "${pytest_args[@]}" --junitxml="$res/parity.xml" "${parity_tests[@]}"; }
+# The same with float32 products in float32 (MLX's CUDA backend computes them in TF32 by
+# default), with the paged kernel and with the gather path.
+parity_fp32() {
+  MLX_ENABLE_TF32=0 step parity-fp32 120 python3 -m pytest "${pytest_args[@]}" \
+    --junitxml="$res/parity-fp32.xml" "${parity_tests[@]}"
+}
+parity_fp32_gather() {
+  BATCHD_CUDA_PAGED_KERNEL=0 MLX_ENABLE_TF32=0 step parity-fp32-gather 120 python3 -m pytest \
+    "${pytest_args[@]}" --junitxml="$res/parity-fp32-gather.xml" "${parity_tests[@]}"
+}
+probe() { step probe 60 python3 config/gpu/shape_probe.py; }
+llama8b_mixed() { bench bench-llama8b mixed 200 --max-num-seqs 64; }
+llama8b_shared() { bench bench-llama8b shared-prefix 100 --max-num-seqs 64; }
+smollm2_mixed() { bench smollm2 mixed 100; }
+smollm2_shared() { bench smollm2 shared-prefix 80; }
+smollm2_quick() { step bench-smollm2-quick 150 batchd bench --model smollm2 --workload mixed \
+  --quick --out "$res/smollm2-mixed-quick"; }
+
+steps=("${@:2}")
+((${#steps[@]})) || steps=(kernel attention llama8b_mixed parity smollm2_mixed llama8b_shared
+  smollm2_shared)
+for name in "${steps[@]}"; do "$name"; done
 echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
 cat "$res/steps.txt"
