@@ -63,17 +63,17 @@ kernel() {
   echo "benches with BATCHD_CUDA_PAGED_KERNEL=0" >>"$res/steps.txt"
 }
 attention() { step attention 60 python3 config/gpu/attention_bench.py --json "$res/attention.json"; }
-# On a GPU "auto" is the mlx backend too: one backend's cases, both architectures.
+# On a GPU "auto" is the mlx backend too: one backend's cases, both architectures. The
+# tests' conftest sets MLX_ENABLE_TF32=0 (float32 products in float32); parity_tf32 runs
+# them with MLX's default TF32 products, parity_gather with the gather path.
 parity() { step parity 120 python3 -m pytest "${pytest_args[@]}" --junitxml="$res/parity.xml" "${parity_tests[@]}"; }
-# The same with float32 products in float32 (MLX's CUDA backend computes them in TF32 by
-# default), with the paged kernel and with the gather path.
-parity_fp32() {
-  MLX_ENABLE_TF32=0 step parity-fp32 120 python3 -m pytest "${pytest_args[@]}" \
-    --junitxml="$res/parity-fp32.xml" "${parity_tests[@]}"
+parity_tf32() {
+  MLX_ENABLE_TF32=1 step parity-tf32 120 python3 -m pytest "${pytest_args[@]}" \
+    --junitxml="$res/parity-tf32.xml" "${parity_tests[@]}"
 }
-parity_fp32_gather() {
-  BATCHD_CUDA_PAGED_KERNEL=0 MLX_ENABLE_TF32=0 step parity-fp32-gather 120 python3 -m pytest \
-    "${pytest_args[@]}" --junitxml="$res/parity-fp32-gather.xml" "${parity_tests[@]}"
+parity_gather() {
+  BATCHD_CUDA_PAGED_KERNEL=0 step parity-gather 120 python3 -m pytest "${pytest_args[@]}" \
+    --junitxml="$res/parity-gather.xml" "${parity_tests[@]}"
 }
 probe() { step probe 60 python3 config/gpu/shape_probe.py; }
 llama8b_mixed() { bench bench-llama8b mixed 200 --max-num-seqs 64; }
@@ -84,8 +84,8 @@ smollm2_quick() { step bench-smollm2-quick 150 batchd bench --model smollm2 --wo
   --quick --out "$res/smollm2-mixed-quick"; }
 
 steps=("${@:2}")
-((${#steps[@]})) || steps=(kernel attention llama8b_mixed parity smollm2_mixed llama8b_shared
-  smollm2_shared)
+((${#steps[@]})) || steps=(kernel parity attention probe llama8b_mixed smollm2_quick
+  llama8b_shared parity_gather smollm2_mixed smollm2_shared)
 for name in "${steps[@]}"; do "$name"; done
 echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
 cat "$res/steps.txt"
