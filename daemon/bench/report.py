@@ -168,7 +168,7 @@ def _mfu_note(limit: dict[str, Any]) -> str:
 
 def _share(value: float | None) -> str:
     """A fraction as a percentage to 3 significant digits: a small model's MFU of a
-    GPU's peak can be well under 0.1%."""
+    GPU's peak can be a small fraction of a percent."""
     return "n/a" if value is None else f"{value * 100:.3g}%"
 
 
