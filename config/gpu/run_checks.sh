@@ -62,7 +62,7 @@ kernel() {
   export BATCHD_CUDA_PAGED_KERNEL=0
   echo "benches with BATCHD_CUDA_PAGED_KERNEL=0" >>"$res/steps.txt"
 }
-attention() { step attention 60 python3 config/gpu/attention_bench.py --json "$res/attention.json"; }
+attention() { step attention 60 python3 -m batchd.daemon.bench.gpu.attention --json "$res/attention.json"; }
 # On a GPU "auto" is the mlx backend too: one backend's cases, both architectures. The
 # tests' conftest sets MLX_ENABLE_TF32=0 (float32 products in float32); parity_tf32 runs
 # them with MLX's default TF32 products, parity_gather with the gather path.
@@ -75,7 +75,7 @@ parity_gather() {
   BATCHD_CUDA_PAGED_KERNEL=0 step parity-gather 120 python3 -m pytest "${pytest_args[@]}" \
     --junitxml="$res/parity-gather.xml" "${parity_tests[@]}"
 }
-probe() { step probe 60 python3 config/gpu/shape_probe.py; }
+probe() { step probe 60 python3 -m batchd.daemon.bench.gpu.shape_probe; }
 llama8b_mixed() { bench bench-llama8b mixed 200 --max-num-seqs 64; }
 llama8b_shared() { bench bench-llama8b shared-prefix 100 --max-num-seqs 64; }
 smollm2_mixed() { bench smollm2 mixed 100; }

@@ -1,7 +1,7 @@
 """Decode attention on a GPU: the CUDA paged kernel against the gather path, one layer.
 
 Run on a machine where MLX runs on CUDA (config/gpu/run_checks.sh runs it):
-``python3 config/gpu/attention_bench.py [--json FILE]``. For each batch and context it
+``python3 -m batchd.daemon.bench.gpu.attention [--json FILE]``. For each batch and context it
 times one layer's decode attention of an 8B Llama shape (32 heads, 8 KV heads, head dim
 128, bfloat16, blocks of 16 tokens scattered through the pool) both ways, each the median
 of timed repeats after a warm-up, and prints the time and the K/V bytes read per second

@@ -1,10 +1,10 @@
 """Quantized products by row count on a GPU: is a new row count a compilation?
 
 Run on a machine where MLX runs on CUDA (config/gpu/run_checks.sh runs it):
-``python3 config/gpu/shape_probe.py``. For SmolLM2-135M's widest product (576 x 1536,
-4-bit, groups of 32, as its GGUF converts) and for the same product dense in float16, it
-times the first call at each row count a continuous batch passes through and a repeat,
-so a first call far slower than its repeat is a kernel built for that shape.
+``python3 -m batchd.daemon.bench.gpu.shape_probe``. For SmolLM2-135M's widest product
+(576 x 1536, 4-bit, groups of 32, as its GGUF converts) and for the same product dense
+in float16, it times the first call at each row count a continuous batch passes through
+and a repeat, so a first call far slower than its repeat is a kernel built for that shape.
 """
 
 from __future__ import annotations
