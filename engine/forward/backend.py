@@ -28,7 +28,7 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import mlx.core as mx
 
-from batchd.engine.forward import cuda_paged, fast_math, native
+from batchd.engine.forward import cuda_paged, cuda_paged_check, fast_math, native
 from batchd.engine.forward.cuda_paged import KernelShape
 from batchd.engine.sampling.samplers import DEVICE, HOST, SAMPLERS
 
@@ -111,17 +111,23 @@ def choose(
         sampler = HOST if name == NATIVE_CPU else DEVICE
     if name == NATIVE_CPU:
         return BackendChoice(name, sampler, reason)
-    attention, why = _decode_attention(shape, quantized_kv=quantized_kv, generic=generic)
+    attention, why = _decode_attention(
+        shape, dtype=dtype or mx.float32, quantized_kv=quantized_kv, generic=generic
+    )
     return BackendChoice(name, sampler, reason, attention, why)
 
 
 def _decode_attention(
-    shape: KernelShape | None, *, quantized_kv: bool, generic: bool
+    shape: KernelShape | None, *, dtype: mx.Dtype, quantized_kv: bool, generic: bool
 ) -> tuple[str, str]:
-    """The mlx backend's decode attention and why."""
+    """The mlx backend's decode attention and why (the paged kernel only once it has run
+    correctly here: cuda_paged_check)."""
     if generic:
         return GATHER, "mlx-lm's own forward attends"
     problem = cuda_paged.problem(shape, quantized_kv=quantized_kv)
+    if problem is None:
+        assert shape is not None  # problem() names an unknown shape
+        problem = cuda_paged_check.self_check(shape, dtype)
     if problem is not None:
         return GATHER, problem
     return CUDA_PAGED, "the paged kernel reads KV blocks in place on the CUDA GPU"

@@ -308,6 +308,7 @@ def test_the_engine_sends_every_decode_row_through_the_kernel(
     )
     engine = LLMEngine(loaded, config)
     assert engine.backend.attention == CUDA_PAGED
+    calls.clear()  # the start-up check's call
     reqs = random_requests(10, seed=3, vocab=1024, prompt_len=(1, 80), max_tokens=(1, 24))
     report = check_parity(Reference(loaded.model), reqs, run_engine(engine, reqs, waves=3))
     assert report.tokens > 100
@@ -316,3 +317,32 @@ def test_the_engine_sends_every_decode_row_through_the_kernel(
         layers = len(loaded.model.layers)
         assert calls and len(calls) % layers == 0
         assert max(calls) > 1  # several decode rows in one call
+
+
+def _kernel_that_raises(*args: object, **kwargs: object) -> mx.array:
+    raise RuntimeError("Failed to compile kernel: cuda_bf16.h: No such file")
+
+
+def _kernel_off_by_a_tenth(*args: Any, **kwargs: Any) -> mx.array:
+    return _reference_kernel(*args, **kwargs) * 1.1
+
+
+@pytest.mark.parametrize(
+    ("kernel", "named"),
+    [(_kernel_that_raises, "cuda_bf16.h"), (_kernel_off_by_a_tenth, "differs")],
+    ids=["fails-to-build", "wrong"],
+)
+def test_a_kernel_that_fails_its_start_up_check_leaves_the_gather_path(
+    kernel: Any, named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The choice runs the kernel once before trusting it: a kernel that cannot build
+    (say, CUDA's headers missing) or disagrees with MLX's attention is named, and decode
+    attention gathers instead of failing the first step."""
+    monkeypatch.setattr(cuda_paged, "problem", lambda *a, **k: None)
+    monkeypatch.setattr(cuda_paged, "paged_decode", kernel)
+    choice = choose("mlx", dtype=mx.bfloat16, shape=KernelShape(8, 2, 64))
+    assert choice.attention == GATHER
+    assert "start-up check" in choice.attention_reason and named in choice.attention_reason
+    monkeypatch.setattr(cuda_paged, "paged_decode", _reference_kernel)
+    trusted = choose("mlx", dtype=mx.bfloat16, shape=KernelShape(8, 2, 64))
+    assert trusted.attention == CUDA_PAGED
