@@ -80,12 +80,18 @@ llama8b_mixed() { bench bench-llama8b mixed 200 --max-num-seqs 64; }
 llama8b_shared() { bench bench-llama8b shared-prefix 100 --max-num-seqs 64; }
 smollm2_mixed() { bench smollm2 mixed 100; }
 smollm2_shared() { bench smollm2 shared-prefix 80; }
+# SmolLM2 with dense float16 weights: a GGUF keeps its 4-bit weights on a GPU by default.
+smollm2_dense() {
+  batchd make-model /tmp/smollm2-dense --model smollm2 --no-keep-quantized &&
+    step bench-smollm2-dense 150 batchd bench --model /tmp/smollm2-dense --workload mixed \
+      --quick --out "$res/smollm2-dense-mixed-quick"
+}
 smollm2_quick() { step bench-smollm2-quick 150 batchd bench --model smollm2 --workload mixed \
   --quick --out "$res/smollm2-mixed-quick"; }
 
 steps=("${@:2}")
-((${#steps[@]})) || steps=(kernel parity attention probe llama8b_mixed smollm2_quick
-  llama8b_shared parity_gather smollm2_mixed smollm2_shared)
+((${#steps[@]})) || steps=(kernel parity attention probe llama8b_mixed smollm2_dense
+  smollm2_quick llama8b_shared parity_gather smollm2_mixed smollm2_shared)
 for name in "${steps[@]}"; do "$name"; done
 echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
 cat "$res/steps.txt"

@@ -29,10 +29,11 @@ def register(sub: Any) -> None:
     p.add_argument("--from-gguf", metavar="FILE", help="a llama-family GGUF file to convert")
     p.add_argument(
         "--keep-quantized",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="GGUF: keep quantized weights (default: only where MLX has a GPU; on CPU "
-        "float32 decodes 2-3x faster)",
+        help="GGUF: keep quantized weights, or (--no-keep-quantized) write dense ones "
+        "(default: keep them only where MLX has a GPU; on CPU float32 decodes 2-3x faster; "
+        "on CUDA a small model's dense weights skip the quantized products' kernel builds)",
     )
     p.add_argument(
         "--arch",

@@ -214,3 +214,32 @@ def test_make_model_writes_a_preset_under_either_spelling(
     argv = ["make-model", str(tmp_path / "e"), "--from-gguf", "x.gguf", "--model", "y.gguf"]
     assert main(argv) == 2
     assert "--from-gguf x.gguf and --model y.gguf name different sources" in capsys.readouterr().err
+
+
+def test_make_model_asks_for_dense_or_quantized_gguf_weights_either_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where MLX has a GPU a GGUF keeps its quantized weights unless --no-keep-quantized
+    asks for dense ones (on CUDA a small model's quantized products build kernels per row
+    tile); on a CPU it is dense unless --keep-quantized."""
+    import json
+
+    from batchd.engine.models import gguf_convert
+
+    def quantized(folder: str) -> bool:
+        config = json.loads((tmp_path / folder / "config.json").read_text())
+        return "quantization" in config
+
+    monkeypatch.setattr(gguf_convert, "gpu_available", lambda: True)
+    assert main(["make-model", str(tmp_path / "gpu"), "--model", "smollm2"]) == 0
+    assert (
+        main(["make-model", str(tmp_path / "dense"), "--model", "smollm2", "--no-keep-quantized"])
+        == 0
+    )
+    monkeypatch.setattr(gguf_convert, "gpu_available", lambda: False)
+    assert main(["make-model", str(tmp_path / "cpu"), "--model", "smollm2"]) == 0
+    assert (
+        main(["make-model", str(tmp_path / "kept"), "--model", "smollm2", "--keep-quantized"]) == 0
+    )
+    capsys.readouterr()
+    assert [quantized(f) for f in ("gpu", "dense", "cpu", "kept")] == [True, False, False, True]
