@@ -78,6 +78,12 @@ parity_gather() {
 probe() { step probe 60 python3 -m batchd.daemon.bench.gpu.shape_probe; }
 llama8b_mixed() { bench bench-llama8b mixed 200 --max-num-seqs 64; }
 llama8b_shared() { bench bench-llama8b shared-prefix 100 --max-num-seqs 64; }
+# The 8B's mixed with decode attention by gathers, and each sampler with async scheduling.
+llama8b_gather() {
+  BATCHD_CUDA_PAGED_KERNEL=0 step bench-llama8b-gather 200 batchd bench --model bench-llama8b \
+    --workload mixed --max-num-seqs 64 --out "$res/bench-llama8b-mixed-gather"
+}
+llama8b_backends() { bench bench-llama8b backends 300 --max-num-seqs 64; }
 smollm2_mixed() { bench smollm2 mixed 100; }
 smollm2_shared() { bench smollm2 shared-prefix 80; }
 # SmolLM2 with dense float16 weights: a GGUF keeps its 4-bit weights on a GPU by default.
@@ -91,7 +97,8 @@ smollm2_quick() { step bench-smollm2-quick 150 batchd bench --model smollm2 --wo
 
 steps=("${@:2}")
 ((${#steps[@]})) || steps=(kernel parity attention probe llama8b_mixed smollm2_dense
-  smollm2_quick llama8b_shared parity_gather smollm2_mixed smollm2_shared)
+  smollm2_quick llama8b_shared parity_gather llama8b_gather smollm2_mixed smollm2_shared
+  llama8b_backends)
 for name in "${steps[@]}"; do "$name"; done
 echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
 cat "$res/steps.txt"
