@@ -125,8 +125,12 @@ def _decode_attention(
     if generic:
         return GATHER, "mlx-lm's own forward attends"
     problem = cuda_paged.problem(shape, quantized_kv=quantized_kv)
-    if problem is None:
-        assert shape is not None  # problem() names an unknown shape
+    if problem is None and shape is None:  # batchd doctor: no model yet
+        return CUDA_PAGED, (
+            "on the CUDA GPU, for models with head dims a multiple of 32 up to 256 that pass "
+            "the kernel's start-up check"
+        )
+    if problem is None and shape is not None:
         problem = cuda_paged_check.self_check(shape, dtype)
     if problem is not None:
         return GATHER, problem

@@ -182,17 +182,15 @@ class KernelShape:
 
 
 def problem(shape: KernelShape | None, *, quantized_kv: bool) -> str | None:
-    """Why the kernel cannot run here for this model (``shape`` None: not known yet),
-    or None when it can."""
+    """Why the kernel cannot run here for this model, or None when it can (``shape``
+    None: not known yet, so only the machine and the pool are asked)."""
     if os.environ.get(DISABLE_ENV) == "0":
         return f"{DISABLE_ENV}=0 asks for the gather path"
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return "the paged kernel runs on MLX's CUDA backend only"
     if quantized_kv:
         return "a quantized KV pool is read through the gather path"
-    if shape is None:
-        return "the model's attention shape is not known yet"
-    return shape.problem()
+    return None if shape is None else shape.problem()
 
 
 _kernel: object | None = None

@@ -346,3 +346,15 @@ def test_a_kernel_that_fails_its_start_up_check_leaves_the_gather_path(
     monkeypatch.setattr(cuda_paged, "paged_decode", _reference_kernel)
     trusted = choose("mlx", dtype=mx.bfloat16, shape=KernelShape(8, 2, 64))
     assert trusted.attention == CUDA_PAGED
+
+
+def test_doctor_names_the_kernel_before_any_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no model yet (batchd doctor), a CUDA machine is told the kernel's conditions,
+    not "gather"; no kernel is built for that."""
+    monkeypatch.setattr(cuda_paged, "paged_decode", _kernel_that_raises)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    choice = choose("mlx", dtype=None)
+    assert choice.attention == CUDA_PAGED and "start-up check" in choice.attention_reason
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert choose("mlx", dtype=None).attention == GATHER
