@@ -40,6 +40,12 @@ from batchd.engine.forward.paged_attention import (
 ROW_MULTIPLE = 16
 _MIN_PADDED = 4
 
+# The CUDA paged kernel runs one thread block per (decode row, KV head), which leaves most
+# of a GPU idle for a few rows: below this many blocks a step's decode rows gather instead
+# (the figures: docs/bench/HISTORY.md, "Figures behind the code's choices"). Revisit when
+# the kernel splits a row's keys over blocks.
+PAGED_MIN_BLOCKS = 64
+
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -127,7 +133,7 @@ def plan_step(
     """The plan of a step of ``chunks`` over a pool of ``block_size`` blocks, padded to
     ``row_multiple`` rows. ``kernel``: attention runs in the C kernel (per-row block
     tables), else in MLX's decode groups over ``lanes`` streams (the CUDA paged kernel
-    with ``paged_decodes``) and prefill chunks.
+    with ``paged_decodes``, from PAGED_MIN_BLOCKS blocks up) and prefill chunks.
     ``fed`` replaces one-token chunks' ids (ModelRunner.execute_scored), never with the
     ``packed`` products. Raises ValueError for a chunk whose slots and tokens differ in
     number, or ``fed`` ids that do not fit."""
@@ -162,10 +168,10 @@ def plan_step(
         kernel_rows = _kernel_rows(chunks, order, positions, block_size)
     else:
         kernel_rows = None
-        if paged_decodes and decodes:
+        if paged_decodes and len(decodes) * num_kv_heads >= PAGED_MIN_BLOCKS:
             tables, lengths = _kernel_rows(chunks, decodes, positions[: len(decodes)], block_size)
             paged = PagedDecodes(len(decodes), mx.array(tables), mx.array(lengths))
-        elif not paged_decodes:
+        else:
             groups = _decode_groups(chunks, decodes, block_size, lanes, num_kv_heads)
         prefill_chunks = _prefill_chunks(chunks, prefills, first_rows, block_size)
     # Padding rows: token 0 at position 0, never written to the pool nor attended; the

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchd.engine.forward import cuda_paged
+from batchd.engine.forward import cuda_paged, step_plan
 from batchd.engine.forward.backend import CUDA_PAGED, GATHER, choose
 from batchd.engine.forward.cuda_paged import KernelShape
 
@@ -238,8 +238,9 @@ def test_the_choice_names_the_decode_attention(monkeypatch: pytest.MonkeyPatch) 
     assert choose("mlx", dtype=mx.bfloat16, generic=True, shape=shape).attention == GATHER
 
 
-def test_a_step_plan_sends_decode_rows_to_the_kernel() -> None:
-    """Decode rows become per-row tables and lengths; prefill chunks stay as they were."""
+def test_a_step_plan_sends_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows become per-row tables and lengths; prefill chunks stay as they were;
+    too few rows for the GPU (rows x KV heads under PAGED_MIN_BLOCKS) gather instead."""
     from batchd.engine.forward.step_plan import plan_step
 
     class Chunk:
@@ -252,6 +253,9 @@ def test_a_step_plan_sends_decode_rows_to_the_kernel() -> None:
     common: dict[str, Any] = dict(
         block_size=4, row_multiple=1, lanes=1, num_kv_heads=2, kernel=False
     )
+    few = plan_step(chunks, None, packed=False, paged_decodes=True, **common)
+    assert few.paged_decodes is None and few.decode_groups  # 2 rows x 2 KV heads < 64
+    monkeypatch.setattr(step_plan, "PAGED_MIN_BLOCKS", 4)
     plan = plan_step(chunks, None, packed=False, paged_decodes=True, **common)
     assert plan.paged_decodes is not None and plan.decode_groups == []
     assert plan.paged_decodes.count == 2
@@ -302,6 +306,8 @@ def test_the_engine_sends_every_decode_row_through_the_kernel(
     if not ON_CUDA:
         monkeypatch.setattr(cuda_paged, "problem", lambda *a, **k: None)
         monkeypatch.setattr(cuda_paged, "paged_decode", counted)
+    # The tiny model's few rows would gather below the production bound.
+    monkeypatch.setattr(step_plan, "PAGED_MIN_BLOCKS", 1)
     loaded = load(tiny_model)
     config = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=256, forward_backend="mlx"
