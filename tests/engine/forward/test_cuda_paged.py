@@ -342,7 +342,7 @@ def test_a_kernel_that_fails_its_start_up_check_leaves_the_gather_path(
     kernel: Any, named: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The choice runs the kernel once before trusting it: a kernel that cannot build
-    (say, CUDA's headers missing) or disagrees with MLX's attention is named, and decode
+    (say, CUDA's headers missing) or disagrees with the gather path is named, and decode
     attention gathers instead of failing the first step."""
     monkeypatch.setattr(cuda_paged, "problem", lambda *a, **k: None)
     monkeypatch.setattr(cuda_paged, "paged_decode", kernel)
