@@ -78,13 +78,14 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# batchd bench",
         "",
-        f"Model `{s['model_label']}` ({s['dtype']}{_weight_bits(s)}), "
+        f"Model `{s['model_label']}` ({s['dtype']}"
+        f"{_given(s, 'weight_bits', ', {}-bit quantized weights')}), "
         f"max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, {bound}"
         f"{_other_engine_options(s)}scale {s['scale']}.",
-        f"Machine: {m['platform']}, {_cpu(m)}{m['cpu_count']} CPUs, "
-        f"mlx {m['mlx']} (default device {m['device']}{_device_name(m)}), "
-        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_kernels(m)}; "
+        f"Machine: {m['platform']}, {_given(m, 'cpu', '{}, ')}{m['cpu_count']} CPUs, "
+        f"mlx {m['mlx']} (default device {m['device']}{_given(m, 'device_name', ', {}')}), "
+        f"mlx-lm {m['mlx_lm']}, BLAS {m['blas']}{_given(m, 'blas_kernels', ' ({} kernels)')}; "
         f"matmul {limit['matmul_gflops']} GFLOP/s.",
     ]
     lines += _throughput_lines(report)
@@ -352,23 +353,8 @@ def _ttft_panel(ax: Any, report: dict[str, Any]) -> None:
         ax.legend(fontsize="small")
 
 
-def _weight_bits(settings: dict[str, Any]) -> str:
-    # Reports from before the weights' bits were recorded have none; unquantized: None.
-    bits = settings.get("weight_bits")
-    return f", {bits}-bit quantized weights" if bits else ""
-
-
-def _device_name(machine: dict[str, Any]) -> str:
-    # Reports from before the device's name was recorded have none.
-    name = machine.get("device_name")
-    return f", {name}" if name else ""
-
-
-def _cpu(machine: dict[str, Any]) -> str:
-    cpu = machine.get("cpu")
-    return f"{cpu}, " if cpu else ""
-
-
-def _kernels(machine: dict[str, Any]) -> str:
-    kernels = machine.get("blas_kernels")
-    return f" ({kernels} kernels)" if kernels else ""
+def _given(record: dict[str, Any], key: str, form: str) -> str:
+    """``form`` filled with ``record[key]``, or nothing where the value is absent or empty:
+    reports from before a field was recorded lack it (unquantized weights have no bits)."""
+    value = record.get(key)
+    return form.format(value) if value else ""
