@@ -37,7 +37,7 @@ _gpu_install() {
   nvroot=$(python3 -S -c 'import site;print(site.getsitepackages()[0])')/nvidia
   [[ -d $nvroot && ! -e $site/nvidia ]] && ln -s "$nvroot" "$site/nvidia"
   [[ -d /usr/local/cuda/include && -z ${CUDA_HOME:-} ]] && export CUDA_HOME=/usr/local/cuda
-  nv=$(python3 -S -c 'import site,glob;print(":".join(glob.glob(site.getsitepackages()[0]+"/nvidia/*/lib")))')
+  nv=$(ls -d "$nvroot"/*/lib 2>/dev/null | paste -sd:)
   export LD_LIBRARY_PATH=$nv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   ls -d "$site"/nvidia/*/include 2>/dev/null | head -3
   python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())'
