@@ -76,6 +76,11 @@ parity_gather() {
   BATCHD_CUDA_PAGED_KERNEL=0 step parity-gather 120 python3 -m pytest "${pytest_args[@]}" \
     --junitxml="$res/parity-gather.xml" "${parity_tests[@]}"
 }
+# Prefill chunks padded to buckets (batchd.engine.forward.prefill_buckets), in parity.
+parity_bucketed() {
+  step parity-bucketed 90 python3 -m pytest "${pytest_args[@]}" --junitxml="$res/parity-bucketed.xml" \
+    -k bucketed tests/engine/test_parity.py
+}
 probe() { step probe 60 python3 -m batchd.daemon.bench.gpu.shape_probe; }
 llama8b_mixed() { bench bench-llama8b-mixed bench-llama8b mixed 200 --max-num-seqs 64; }
 llama8b_shared() {

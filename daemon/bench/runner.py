@@ -161,7 +161,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> dict[str, Any]:
             "model": str(options.model_path),
             "model_label": options.model_label,
             "dtype": config.get("torch_dtype"),
-            # A GGUF kept quantized (the default where MLX has a GPU): its weights' bits.
+            # A GGUF kept quantized (the default on Metal): its weights' bits.
             "weight_bits": (config.get("quantization") or {}).get("bits"),
             "max_num_seqs": options.engine.max_num_seqs,
             "max_num_batched_tokens": options.engine.max_num_batched_tokens,

@@ -32,8 +32,9 @@ def register(sub: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="GGUF: keep quantized weights, or (--no-keep-quantized) write dense ones "
-        "(default: keep them only where MLX has a GPU; on CPU float32 decodes 2-3x faster; "
-        "on CUDA a small model's dense weights skip the quantized products' kernel builds)",
+        "(default: keep them on Metal only; on CPU float32 decodes 2-3x faster; on CUDA "
+        "MLX builds a kernel for each new tile of rows of a quantized product, for tens of "
+        "seconds each)",
     )
     p.add_argument(
         "--arch",

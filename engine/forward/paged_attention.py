@@ -34,7 +34,7 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 
-from batchd.engine.forward import fast_math
+from batchd.engine.forward import fast_math, prefill_buckets
 from batchd.engine.forward.kv_quant import Blocks, QuantizedBlocks, take_blocks
 
 # A decode group is closed when its next (shorter) sequence would waste more
@@ -60,13 +60,22 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Packed rows [row_start, row_end) of one sequence starting at position ``start``."""
+    """Packed rows [row_start, row_end) of one sequence starting at position ``start``.
+
+    ``rows`` >= the chunk's tokens: the queries MLX's attention runs on, padded up to a
+    bucket where batchd.engine.forward.prefill_buckets asks for it (``blocks`` and
+    ``bias`` padded to match: extra blocks are block 0, masked)."""
 
     row_start: int
     row_end: int
     start: int
     blocks: mx.array | None  # [num_blocks] int32; None when start == 0 (fresh K/V only)
-    bias: mx.array  # [n, keys] float32: 0 where query i may see key j, else MASKED
+    bias: mx.array  # [rows, keys] float32: 0 where query i may see key j, else MASKED
+    rows: int = 0  # 0: the chunk's own tokens
+
+    @property
+    def padded_rows(self) -> int:
+        return self.rows or self.row_end - self.row_start
 
 
 def _bias(visible: np.ndarray) -> mx.array:
@@ -135,23 +144,34 @@ def make_decode_group(
 
 
 def make_prefill_chunk(
-    row_start: int, start: int, num_tokens: int, block_table: list[int], *, block_size: int
+    row_start: int,
+    start: int,
+    num_tokens: int,
+    block_table: list[int],
+    *,
+    block_size: int,
+    bucketed: bool = False,
 ) -> PrefillChunk:
-    """Index arrays for one prefill chunk of ``num_tokens`` tokens at ``start``."""
+    """Index arrays for one prefill chunk of ``num_tokens`` tokens at ``start``;
+    ``bucketed``: queries and keys padded to buckets (prefill_buckets)."""
     row_end = row_start + num_tokens
+    rows = prefill_buckets.bucket(num_tokens) if bucketed else num_tokens
     queries = np.arange(start, start + num_tokens)
     if start == 0:
-        causal = np.arange(num_tokens)[None, :] <= queries[:, None]
-        return PrefillChunk(row_start, row_end, 0, None, _bias(causal))
+        # Padded queries and their fresh keys both come last: causal still holds.
+        causal = np.arange(rows)[None, :] <= np.arange(rows)[:, None]
+        return PrefillChunk(row_start, row_end, 0, None, _bias(causal), rows)
     num_blocks = -(-(start + num_tokens) // block_size)
-    keys = np.arange(num_blocks * block_size)
-    return PrefillChunk(
-        row_start,
-        row_end,
-        start,
-        mx.array(np.asarray(block_table[:num_blocks], dtype=np.int32)),
-        _bias(keys[None, :] <= queries[:, None]),
-    )
+    table = np.zeros(num_blocks, dtype=np.int32)
+    if bucketed:
+        keys = prefill_buckets.bucket(num_blocks * block_size, multiple=block_size)
+        table = np.zeros(keys // block_size, dtype=np.int32)
+    table[:num_blocks] = block_table[:num_blocks]
+    visible = np.arange(len(table) * block_size)[None, :] <= queries[:, None]
+    padding = np.zeros((rows - num_tokens, visible.shape[1]), dtype=bool)
+    padding[:, 0] = True  # a padded query row sees key 0 alone: finite, then dropped
+    bias = _bias(np.concatenate([visible, padding]))
+    return PrefillChunk(row_start, row_end, start, mx.array(table), bias, rows)
 
 
 def _attend(
@@ -206,6 +226,10 @@ def prefill_attention(
     """q: [n, heads, D]; k_new/v_new: [kv_heads, n, D] -> [n, heads * D]."""
     n, heads, dim = q.shape
     kv_heads = k_new.shape[0]
+    pad = chunk.padded_rows - n
+    if pad and not fast_math.enabled():
+        q = mx.pad(q, [(0, pad), (0, 0), (0, 0)])
+        k_new, v_new = (mx.pad(a, [(0, 0), (0, pad), (0, 0)]) for a in (k_new, v_new))
     if chunk.blocks is None and isinstance(k_blocks, QuantizedBlocks):
         keys, values = k_blocks.round_trip(k_new), k_blocks.round_trip(v_new)
     elif chunk.blocks is None:
@@ -221,7 +245,7 @@ def prefill_attention(
             scale=scale,
             mask="causal" if chunk.blocks is None else chunk.bias.astype(q.dtype),
         )
-        return out[0].transpose(1, 0, 2).reshape(n, heads * dim)
+        return out[0, :, :n].transpose(1, 0, 2).reshape(n, heads * dim)
     # Head h = kv * group + g reads KV head kv; a KV head's query heads are folded into
     # rows, [kv_heads, group * rows, D], so each product is a plain batched matmul.
     group = heads // kv_heads

@@ -129,11 +129,13 @@ def plan_step(
     kernel: bool,
     packed: bool,
     paged_decodes: bool = False,
+    bucket_prefill: bool = False,
 ) -> StepPlan:
     """The plan of a step of ``chunks`` over a pool of ``block_size`` blocks, padded to
     ``row_multiple`` rows. ``kernel``: attention runs in the C kernel (per-row block
     tables), else in MLX's decode groups over ``lanes`` streams (the CUDA paged kernel
-    with ``paged_decodes``, from PAGED_MIN_BLOCKS blocks up) and prefill chunks.
+    with ``paged_decodes``, from PAGED_MIN_BLOCKS blocks up) and prefill chunks (padded
+    to buckets with ``bucket_prefill``: batchd.engine.forward.prefill_buckets).
     ``fed`` replaces one-token chunks' ids (ModelRunner.execute_scored), never with the
     ``packed`` products. Raises ValueError for a chunk whose slots and tokens differ in
     number, or ``fed`` ids that do not fit."""
@@ -173,7 +175,7 @@ def plan_step(
             paged = PagedDecodes(len(decodes), mx.array(tables), mx.array(lengths))
         else:
             groups = _decode_groups(chunks, decodes, block_size, lanes, num_kv_heads)
-        prefill_chunks = _prefill_chunks(chunks, prefills, first_rows, block_size)
+        prefill_chunks = _prefill_chunks(chunks, prefills, first_rows, block_size, bucket_prefill)
     # Padding rows: token 0 at position 0, never written to the pool nor attended; the
     # output projection runs on padded rows too (repeats of row 0, dropped after).
     padding = padded_rows(len(tokens), row_multiple) - len(tokens)
@@ -249,7 +251,11 @@ def _decode_groups(
 
 
 def _prefill_chunks(
-    chunks: Sequence[ChunkInput], prefills: list[int], first_rows: dict[int, int], bs: int
+    chunks: Sequence[ChunkInput],
+    prefills: list[int],
+    first_rows: dict[int, int],
+    bs: int,
+    bucketed: bool,
 ) -> list[PrefillChunk]:
     return [
         make_prefill_chunk(
@@ -258,6 +264,7 @@ def _prefill_chunks(
             len(chunks[i].token_ids),
             list(chunks[i].block_table),
             block_size=bs,
+            bucketed=bucketed,
         )
         for i in prefills
     ]

@@ -15,8 +15,8 @@ Every problem of a file (tensor types, architecture, metadata, tensor names,
 tokenizer) is collected and reported at once, before anything is written.
 
 MLX's quantized matmul on CPU is single-threaded while float32 uses
-OpenBLAS, so on a machine without a GPU the default is float32; on Metal or
-CUDA quantized tensors are kept.
+OpenBLAS, so on a machine without a GPU the default is float32; on Metal
+quantized tensors are kept; on CUDA they are not (see keeps_quantized).
 """
 
 from __future__ import annotations
@@ -48,9 +48,14 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 _TOP = re.compile(r"(\w+)\.(weight|bias)$")
 
 
-def gpu_available() -> bool:
-    """Whether MLX has a GPU here (quantized weights are the fast path there)."""
-    return bool(mx.metal.is_available() or mx.cuda.is_available())
+def keeps_quantized() -> bool:
+    """Whether a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized by default here: on Metal,
+    where MLX's quantized products are the fast path. Not on a CPU (they run on one
+    thread), nor on CUDA, where MLX builds a CUTLASS kernel with NVRTC the first time a
+    quantized product meets each tile of rows, tens of seconds each, and a continuous
+    batch's row counts keep meeting new tiles (docs/bench/HISTORY.md, "Figures behind
+    the code's choices")."""
+    return bool(mx.metal.is_available())
 
 
 def dequantizable_types() -> tuple[str, ...]:
@@ -188,8 +193,8 @@ def convert_gguf(
 ) -> Path:
     """Write an mlx-lm model directory converted from ``gguf_path``; returns it.
 
-    ``keep_quantized=None`` keeps Q4_0/Q4_1/Q8_0 tensors quantized only where a GPU is
-    available. The directory is written beside ``out_dir`` and moved into place last,
+    ``keep_quantized=None`` keeps Q4_0/Q4_1/Q8_0 tensors quantized on Metal only
+    (keeps_quantized). The directory is written beside ``out_dir`` and moved into place last,
     so an interrupted conversion never leaves a half model. Raises GGUFError (a
     ValueError) listing every problem of the file.
     """
@@ -197,7 +202,7 @@ def convert_gguf(
 
     source, out = str(gguf_path), Path(out_dir)
     tensor_types(gguf_path)  # a clear error for what is not a GGUF at all
-    keep = gpu_available() if keep_quantized is None else keep_quantized
+    keep = keeps_quantized() if keep_quantized is None else keep_quantized
     reader = GGUFReader(source)
     metadata = read_metadata(reader)
     arch, problems = _check(reader, metadata, source)

@@ -219,9 +219,9 @@ def test_make_model_writes_a_preset_under_either_spelling(
 def test_make_model_asks_for_dense_or_quantized_gguf_weights_either_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Where MLX has a GPU a GGUF keeps its quantized weights unless --no-keep-quantized
-    asks for dense ones (on CUDA a small model's quantized products build kernels per row
-    tile); on a CPU it is dense unless --keep-quantized."""
+    """On Metal a GGUF keeps its quantized weights unless --no-keep-quantized asks for
+    dense ones; on a CPU or CUDA (whose quantized products build kernels per row tile) it
+    is dense unless --keep-quantized."""
     import json
 
     from batchd.engine.models import gguf_convert
@@ -230,13 +230,13 @@ def test_make_model_asks_for_dense_or_quantized_gguf_weights_either_way(
         config = json.loads((tmp_path / folder / "config.json").read_text())
         return "quantization" in config
 
-    monkeypatch.setattr(gguf_convert, "gpu_available", lambda: True)
+    monkeypatch.setattr(gguf_convert, "keeps_quantized", lambda: True)
     assert main(["make-model", str(tmp_path / "gpu"), "--model", "smollm2"]) == 0
     assert (
         main(["make-model", str(tmp_path / "dense"), "--model", "smollm2", "--no-keep-quantized"])
         == 0
     )
-    monkeypatch.setattr(gguf_convert, "gpu_available", lambda: False)
+    monkeypatch.setattr(gguf_convert, "keeps_quantized", lambda: False)
     assert main(["make-model", str(tmp_path / "cpu"), "--model", "smollm2"]) == 0
     assert (
         main(["make-model", str(tmp_path / "kept"), "--model", "smollm2", "--keep-quantized"]) == 0

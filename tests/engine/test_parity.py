@@ -8,6 +8,7 @@ by mlx-lm (see parity_harness for the near-tie rule).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
@@ -21,6 +22,9 @@ from parity_harness import (
 )
 
 from batchd.engine import EngineConfig, LLMEngine
+from batchd.engine.forward import fast_math, prefill_buckets
+from batchd.engine.forward.model_runner import ModelRunner
+from batchd.engine.forward.step_plan import StepPlan
 from batchd.engine.models.loader import LoadedModel, load
 
 VOCAB = 1024
@@ -87,6 +91,36 @@ def test_parity_chunked_prefill(arch: str, request: pytest.FixtureRequest) -> No
     outputs = run_engine(eng, reqs, waves=2)
     assert chunked > 10, "prompts should have been split across steps"
     check_parity(ref, reqs, outputs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# mlx-sdpa: MLX's own attention kernel, as a GPU runs it; fast-math: the CPU's products.
+@pytest.mark.parametrize("exact", [True, False], ids=["mlx-sdpa", "fast-math"])
+def test_parity_chunked_prefill_bucketed(
+    arch: str, exact: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill chunks padded to bucketed shapes (as on a CUDA GPU: prefill_buckets), fresh
+    prompts and chunks over a cached prefix alike, change no request's tokens."""
+    monkeypatch.setenv(prefill_buckets.ENV, "1")
+    if exact:
+        monkeypatch.setenv(fast_math.DISABLE_ENV, "1")
+    loaded, ref = request.getfixturevalue(arch)
+    reqs = random_requests(32, seed=1, vocab=VOCAB)
+    eng = _engine(loaded, forward_backend="mlx", max_num_seqs=8, max_num_batched_tokens=40)
+    assert isinstance(eng.runner, ModelRunner) and eng.runner.bucket_prefill
+    padded: list[tuple[int, int, bool]] = []  # (tokens, rows attended, over a prefix)
+    plan = eng.runner._plan
+
+    def recording_plan(*args: Any) -> StepPlan:
+        made = plan(*args)
+        padded.extend((p.row_end - p.row_start, p.padded_rows, p.start > 0) for p in made.prefills)
+        return made
+
+    eng.runner._plan = recording_plan  # type: ignore[method-assign]
+    check_parity(ref, reqs, run_engine(eng, reqs, waves=2))
+    assert any(rows > tokens and prefix for tokens, rows, prefix in padded), padded
+    assert any(rows > tokens and not prefix for tokens, rows, prefix in padded), padded
+    assert all(rows & (rows - 1) == 0 for _, rows, _ in padded), padded
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -6,9 +6,11 @@ The bench's 8B shape (``--preset bench-llama8b``) with N of its layers, random w
 
 - batchd steps: a P-token prompt alone, R rows decoding, and R rows decoding beside a
   P-token prompt (the mixed workload's commonest heavy step), each with the step's
-  forward and wait-for-device parts;
+  forward and wait-for-device parts; then R rows decoding beside prompts of a new
+  length each time, as a continuous batch meets them, prefill buckets off and on;
 - mlx-lm's own forward of the same shapes (a P-token prompt; R rows decoding one token);
-- one layer's parts at P rows (the products, MLX's causal attention, the pool's write);
+- one layer's parts at P rows (the products, MLX's causal attention, the pool's write),
+  and prefill attention bucketed against not (they must agree);
 - a profile of batchd's mixed steps (host functions by own time).
 
 A batchd step far slower than mlx-lm's forward of the same tokens, with the parts fast, is
@@ -34,13 +36,18 @@ import mlx.core as mx
 import numpy as np
 
 from batchd.engine import EngineConfig, LLMEngine, SamplingParams
+from batchd.engine.forward.paged_attention import make_prefill_chunk, prefill_attention
 from batchd.engine.models.arch_fixture import make_arch_model
 from batchd.engine.models.loader import load
 from batchd.engine.models.presets import ARCH_PRESETS, FIXTURE_PRESETS
 
 REPEATS = 5
 # Tokens each decoding row makes: enough for every timed step that follows its prefill.
-DECODE_TOKENS = 96
+DECODE_TOKENS = 256
+# Prompts of a new length each (up to LONGEST tokens: some split over steps) beside the
+# decoding rows, with prefill buckets off and on (batchd.engine.forward.prefill_buckets).
+NEW_SHAPES = 8
+LONGEST = 1024
 
 
 def _median_ms(run: Callable[[], object]) -> float:
@@ -88,8 +95,8 @@ def _line(name: str, timed: list[tuple[float, int, float, float]]) -> None:
     waits = [t[3] for t in timed]
     print(
         f"{name:38} steps {len(timed):3}  wall ms median {statistics.median(walls):8.2f} "
-        f"(min {min(walls):8.2f})  forward {statistics.median(forwards):8.2f}  "
-        f"wait {statistics.median(waits):8.2f}"
+        f"(min {min(walls):8.2f}, mean {statistics.fmean(walls):8.2f})  "
+        f"forward {statistics.median(forwards):8.2f}  wait {statistics.median(waits):8.2f}"
     )
 
 
@@ -120,6 +127,16 @@ def probe_engine(steps: Steps, rows: int, prompt: int) -> None:
         while steps.step()[1]:
             pass
     _line(f"{rows - 1} decoding + prompt of {prompt}", mixed[1:])
+    runner = steps.engine.runner
+    for bucketed in (False, True):
+        runner.bucket_prefill = bucketed
+        new_shapes: list[tuple[float, int, float, float]] = []
+        for length in steps.rng.integers(prompt // 4, LONGEST, size=NEW_SHAPES):
+            steps.add(int(length), 1)
+            while (step := steps.step())[1]:
+                new_shapes.append(step)
+        label = f"{rows - 1} decoding + new lengths, buckets {'on' if bucketed else 'off'}"
+        _line(label, new_shapes)
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
     print("profile of the mixed steps (own time):")
@@ -174,6 +191,36 @@ def probe_parts(engine: LLMEngine, prompt: int) -> None:
         print(f"{'one layer at ' + str(prompt) + ' rows: ' + name:38} ms {_median_ms(run):8.2f}")
 
 
+def probe_bucket_agreement(engine: LLMEngine) -> None:
+    """Prefill attention over a cached prefix and of a fresh prompt, bucketed and not, on
+    the same random K/V blocks in the model's dtype: the two must agree."""
+    spec, bs = engine.spec, engine.pool.block_size
+    blocks = 64
+    shape = (spec.num_kv_heads, blocks, bs, spec.head_dim)
+    k_blocks, v_blocks = (mx.random.normal(shape).astype(spec.dtype) for _ in range(2))
+    table = np.random.default_rng(1).permutation(blocks).tolist()
+    for start, n in ((0, 200), (300, 200)):
+        q = mx.random.normal((n, spec.num_heads, spec.head_dim)).astype(spec.dtype)
+        k_new, v_new = (
+            mx.random.normal((spec.num_kv_heads, n, spec.head_dim)).astype(spec.dtype)
+            for _ in range(2)
+        )
+        outs = [
+            prefill_attention(
+                q,
+                k_new,
+                v_new,
+                k_blocks,
+                v_blocks,
+                make_prefill_chunk(0, start, n, table, block_size=bs, bucketed=bucketed),
+                scale=spec.head_dim**-0.5,
+            ).astype(mx.float32)
+            for bucketed in (False, True)
+        ]
+        diff = mx.abs(outs[0] - outs[1]).max().item()
+        print(f"prefill attention at {start}+{n}, bucketed vs not: max |difference| {diff:.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shapes = FIXTURE_PRESETS | ARCH_PRESETS
@@ -192,8 +239,8 @@ def main() -> None:
     config = EngineConfig(
         max_num_seqs=args.rows,
         max_num_batched_tokens=args.prompt,
-        num_kv_blocks=args.rows * (128 + DECODE_TOKENS) // 16 + 4 * args.prompt // 16 + 64,
-        max_model_len=args.prompt + 128 + DECODE_TOKENS,
+        num_kv_blocks=args.rows * (128 + DECODE_TOKENS) // 16 + 4 * LONGEST // 16 + 64,
+        max_model_len=LONGEST + 128 + DECODE_TOKENS,
         enable_prefix_caching=False,
         async_scheduling=args.async_scheduling,
     )
@@ -201,6 +248,7 @@ def main() -> None:
     print(f"backend: {engine.backend.describe()}")
     vocab = int(shape["vocab_size"])
     probe_parts(engine, args.prompt)
+    probe_bucket_agreement(engine)
     probe_mlx_lm(loaded.model, args.rows, args.prompt, vocab)
     probe_engine(Steps(engine, vocab), args.rows, args.prompt)
 
