@@ -12,34 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import mlx.core as mx
 import numpy as np
 
+from batchd.daemon.bench.gpu.timing import median_ms
 from batchd.engine.forward import cuda_paged
 from batchd.engine.forward.paged_attention import decode_attention, make_decode_group
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 CASES = [(1, 2048), (16, 2048), (64, 1024), (64, 4096), (256, 1024)]
 REPEATS = 20
-
-
-def _median_ms(run: Callable[[], mx.array]) -> float:
-    for _ in range(3):
-        mx.eval(run())
-    times = []
-    for _ in range(REPEATS):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(run())
-        mx.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def measure(batch: int, context: int, rng: np.random.Generator) -> dict[str, float]:
@@ -66,7 +51,7 @@ def measure(batch: int, context: int, rng: np.random.Generator) -> dict[str, flo
 
     difference = mx.abs(paged().astype(mx.float32) - gather().astype(mx.float32)).max()
     kv_bytes = 2 * batch * context * KV_HEADS * DIM * 2
-    paged_ms, gather_ms = _median_ms(paged), _median_ms(gather)
+    paged_ms, gather_ms = (median_ms(f, repeats=REPEATS, warmups=3) for f in (paged, gather))
     return {
         "batch": batch,
         "context": context,

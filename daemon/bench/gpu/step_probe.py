@@ -35,6 +35,7 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 
+from batchd.daemon.bench.gpu.timing import median_ms
 from batchd.engine import EngineConfig, LLMEngine, SamplingParams
 from batchd.engine.forward.paged_attention import make_prefill_chunk, prefill_attention
 from batchd.engine.models.arch_fixture import make_arch_model
@@ -50,16 +51,8 @@ NEW_SHAPES = 8
 LONGEST = 1024
 
 
-def _median_ms(run: Callable[[], object]) -> float:
-    mx.eval(run())
-    times = []
-    for _ in range(REPEATS):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(run())
-        mx.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _timed(label: str, run: Callable[[], object]) -> None:
+    print(f"{label:38} ms {median_ms(run, repeats=REPEATS):8.2f}")
 
 
 class Steps:
@@ -154,7 +147,7 @@ def probe_mlx_lm(model: Any, rows: int, prompt: int, vocab: int) -> None:
     def prefill() -> mx.array:
         return model(ids, cache=make_prompt_cache(model))
 
-    print(f"{'mlx-lm prompt of ' + str(prompt):38} ms {_median_ms(prefill):8.2f}")
+    _timed(f"mlx-lm prompt of {prompt}", prefill)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.random.randint(16, vocab, (rows - 1, 128)), cache=cache))
     token = mx.random.randint(16, vocab, (rows - 1, 1))
@@ -162,7 +155,7 @@ def probe_mlx_lm(model: Any, rows: int, prompt: int, vocab: int) -> None:
     def decode() -> mx.array:
         return model(token, cache=cache)
 
-    print(f"{'mlx-lm ' + str(rows - 1) + ' rows decoding':38} ms {_median_ms(decode):8.2f}")
+    _timed(f"mlx-lm {rows - 1} rows decoding", decode)
 
 
 def probe_parts(engine: LLMEngine, prompt: int) -> None:
@@ -188,7 +181,7 @@ def probe_parts(engine: LLMEngine, prompt: int) -> None:
         return [engine.pool.k[0], engine.pool.v[0]]
 
     for name, run in (("products", products), ("causal attention", sdpa), ("pool write", write)):
-        print(f"{'one layer at ' + str(prompt) + ' rows: ' + name:38} ms {_median_ms(run):8.2f}")
+        _timed(f"one layer at {prompt} rows: {name}", run)
 
 
 def probe_bucket_agreement(engine: LLMEngine) -> None:
