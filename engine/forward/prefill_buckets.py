@@ -4,11 +4,11 @@ MLX's CUDA backend runs float16/bfloat16 prefill attention through cuDNN, and bu
 cuDNN graph for every new combination of query, key and mask shapes (kept in an LRU of
 256, ``MLX_CUDA_SDPA_CACHE_SIZE``). A continuous batch's prefill chunks come in every
 length, at every prefix length, so nearly every step met a new shape and paid for a
-graph build. Padding a chunk's queries and keys up to a power of two (from 16) bounds
-the shapes to a few dozen, each built once; padded keys are masked, padded query rows
-attend to key 0 alone and are dropped (batchd.engine.forward.paged_attention). The
-extra work is attention's only, and at most double it. Figures: docs/bench/HISTORY.md,
-"Figures behind the code's choices".
+graph build. Padding a chunk's queries and keys up to a power of two (from 16;
+multiples of LARGEST_POWER beyond it) bounds the shapes to a few dozen, each built once;
+padded keys are masked, padded query rows attend to key 0 alone and are dropped
+(batchd.engine.forward.paged_attention). The extra work is attention's only, and at
+most double it. Figures: docs/bench/HISTORY.md, "Figures behind the code's choices".
 
 On by default where MLX runs on CUDA; ``BATCHD_PREFILL_BUCKETS=1`` turns it on
 anywhere (the tests' CPU runs), ``=0`` off.
@@ -24,6 +24,9 @@ import mlx.core as mx
 
 ENV = "BATCHD_PREFILL_BUCKETS"
 SMALLEST = 16
+# Beyond this size buckets are its multiples, not powers of two: a 70k-token prefix pads
+# to 73,728 keys, not 131,072 (at most 15 more shapes up to 128k keys).
+LARGEST_POWER = 8192
 
 
 def enabled() -> bool:
@@ -36,6 +39,10 @@ def enabled() -> bool:
 
 def bucket(n: int, *, multiple: int = 1) -> int:
     """The padded size of ``n`` rows or keys: the power of two at or above it (at least
-    SMALLEST), rounded up to ``multiple`` (a KV block's tokens for keys)."""
-    size = max(SMALLEST, 1 << (n - 1).bit_length())
+    SMALLEST; above LARGEST_POWER, the multiple of LARGEST_POWER), rounded up to
+    ``multiple`` (a KV block's tokens for keys)."""
+    if n > LARGEST_POWER:
+        size = -(-n // LARGEST_POWER) * LARGEST_POWER
+    else:
+        size = max(SMALLEST, 1 << (n - 1).bit_length())
     return -(-size // multiple) * multiple
