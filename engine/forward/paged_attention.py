@@ -71,11 +71,7 @@ class PrefillChunk:
     start: int
     blocks: mx.array | None  # [num_blocks] int32; None when start == 0 (fresh K/V only)
     bias: mx.array  # [rows, keys] float32: 0 where query i may see key j, else MASKED
-    rows: int = 0  # 0: the chunk's own tokens
-
-    @property
-    def padded_rows(self) -> int:
-        return self.rows or self.row_end - self.row_start
+    rows: int  # queries attention runs on: the chunk's tokens, or their bucket
 
 
 def _bias(visible: np.ndarray) -> mx.array:
@@ -226,7 +222,7 @@ def prefill_attention(
     """q: [n, heads, D]; k_new/v_new: [kv_heads, n, D] -> [n, heads * D]."""
     n, heads, dim = q.shape
     kv_heads = k_new.shape[0]
-    pad = chunk.padded_rows - n
+    pad = chunk.rows - n
     if pad and not fast_math.enabled():
         q = mx.pad(q, [(0, pad), (0, 0), (0, 0)])
         k_new, v_new = (mx.pad(a, [(0, 0), (0, pad), (0, 0)]) for a in (k_new, v_new))

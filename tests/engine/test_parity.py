@@ -113,7 +113,7 @@ def test_parity_chunked_prefill_bucketed(
 
     def recording_plan(*args: Any) -> StepPlan:
         made = plan(*args)
-        padded.extend((p.row_end - p.row_start, p.padded_rows, p.start > 0) for p in made.prefills)
+        padded.extend((p.row_end - p.row_start, p.rows, p.start > 0) for p in made.prefills)
         return made
 
     eng.runner._plan = recording_plan  # type: ignore[method-assign]
