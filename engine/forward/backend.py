@@ -16,7 +16,9 @@ shown by ``batchd doctor`` and exported as a metric label.
 
 On the ``mlx`` backend, decode attention reads the pool either through gathers
 (``gather``, everywhere) or, on a CUDA GPU, through the paged kernel of
-batchd.engine.forward.cuda_paged (``cuda_paged``), where the model's shape allows it.
+batchd.engine.forward.cuda_paged (``cuda_paged``), where the model's shape allows it;
+on a CUDA GPU its prefill chunks are padded to bucketed shapes
+(batchd.engine.forward.prefill_buckets).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import batchd.engine.preload  # noqa: F401  (OpenBLAS before MLX)
 
 import mlx.core as mx
 
-from batchd.engine.forward import cuda_paged, cuda_paged_check, fast_math, native
+from batchd.engine.forward import cuda_paged, cuda_paged_check, fast_math, native, prefill_buckets
 from batchd.engine.forward.cuda_paged import KernelShape
 from batchd.engine.sampling.samplers import DEVICE, HOST, SAMPLERS
 
@@ -52,11 +54,15 @@ class BackendChoice:
     # The mlx backend's decode attention (GATHER or CUDA_PAGED) and why; None on native_cpu.
     attention: str | None = None
     attention_reason: str = ""
+    # The mlx backend's prefill chunks padded to bucketed shapes (prefill_buckets).
+    prefill_buckets: bool = False
 
     def describe(self) -> str:
         text = f"{self.name} (sampling on the {self.sampler}): {self.reason}"
         if self.attention is not None:
             text += f"; decode attention: {self.attention} ({self.attention_reason})"
+        if self.prefill_buckets:
+            text += "; prefill attention at bucketed shapes (each built once)"
         return text
 
 
@@ -114,7 +120,8 @@ def choose(
     attention, why = _decode_attention(
         shape, dtype=dtype or mx.float32, quantized_kv=quantized_kv, generic=generic
     )
-    return BackendChoice(name, sampler, reason, attention, why)
+    buckets = not generic and prefill_buckets.enabled()
+    return BackendChoice(name, sampler, reason, attention, why, buckets)
 
 
 def _decode_attention(

@@ -50,7 +50,7 @@ import mlx.nn as nn
 import numpy as np
 
 from batchd.engine.adapters.resident import AdapterCache, chunk_adapter
-from batchd.engine.forward import cuda_paged, fast_math, native, prefill_buckets
+from batchd.engine.forward import cuda_paged, fast_math, native
 from batchd.engine.forward.backend import AUTO, CUDA_PAGED, NATIVE_CPU, BackendChoice
 from batchd.engine.forward.backend import choose as choose_backend
 from batchd.engine.forward.cuda_paged import KernelShape
@@ -120,7 +120,7 @@ class ModelRunner:
         # Decode rows through the CUDA paged kernel (batchd.engine.forward.cuda_paged).
         self.cuda_paged = self.backend.attention == CUDA_PAGED
         # Prefill attention at bucketed shapes (batchd.engine.forward.prefill_buckets).
-        self.bucket_prefill = prefill_buckets.enabled()
+        self.bucket_prefill = self.backend.prefill_buckets
         self._scale_array = mx.array([self._scale], dtype=mx.float32)
         self._threads = cpu_lanes()
         self._packed = (

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from batchd.engine import EngineConfig
-from batchd.engine.forward import native
+from batchd.engine.forward import native, prefill_buckets
 from batchd.engine.forward.backend import choose
 
 
@@ -33,6 +33,20 @@ def test_what_the_kernels_do_not_cover_runs_on_mlx() -> None:
         choice = choose("auto", **options)  # type: ignore[arg-type]
         assert choice.name == "mlx", problem
         assert choice.sampler == "device"
+
+
+def test_the_mlx_backend_names_its_bucketed_prefill_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where prefill buckets are on (CUDA, or asked for) the mlx backend takes them and
+    says so in its line; the generic path and the C kernels have no prefill chunks."""
+    monkeypatch.setenv(prefill_buckets.ENV, "1")
+    choice = choose("mlx", dtype=mx.float32)
+    assert choice.prefill_buckets and "prefill attention at bucketed shapes" in choice.describe()
+    assert not choose("mlx", dtype=mx.float32, generic=True).prefill_buckets
+    monkeypatch.setenv(prefill_buckets.ENV, "0")
+    choice = choose("mlx", dtype=mx.float32)
+    assert not choice.prefill_buckets and "bucketed" not in choice.describe()
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler for the kernels here")
