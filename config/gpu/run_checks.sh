@@ -4,7 +4,7 @@
 # within one deadline, so a slow or failing step costs its own result only.
 # On the device, after the staging calls (config/gpu/stage.sh), from the repo root:
 #   bash config/gpu/run_checks.sh [SECONDS [STEP...]]   (deadline, default 540; steps: the
-#   functions below, default: parity smollm2_dense smollm2_dense_shared step_probe ...)
+#   functions below, default: llama8b_mixed llama8b_shared kernel parity ...)
 # Writes $OUT/run.log and $OUT/results.tgz (bench reports, test reports, timings),
 # refreshed after every step, so a call cut short still returns what was done.
 set -u
@@ -95,7 +95,13 @@ llama8b_backends() { bench bench-llama8b-backends bench-llama8b backends 300 --m
 smollm2_mixed() { bench smollm2-mixed smollm2 mixed 100; }
 smollm2_shared() { bench smollm2-shared-prefix smollm2 shared-prefix 80; }
 smollm2_quick() { bench smollm2-mixed-quick smollm2 mixed 100 --quick; }
-# SmolLM2 with dense float16 weights: a GGUF keeps its 4-bit weights on a GPU by default.
+# SmolLM2 with its GGUF's 4-bit weights kept (MLX's quantized products build per row tile).
+smollm2_q4() {
+  [[ -f /tmp/smollm2-q4/config.json ]] ||
+    batchd make-model /tmp/smollm2-q4 --model smollm2 --keep-quantized &&
+    bench smollm2-q4-mixed-quick /tmp/smollm2-q4 mixed 100 --quick
+}
+# SmolLM2 written dense by make-model (what the preset's conversion does on CUDA too).
 dense=/tmp/smollm2-dense
 dense_model() {
   [[ -f $dense/config.json ]] || batchd make-model "$dense" --model smollm2 --no-keep-quantized
@@ -109,9 +115,10 @@ step_probe_async() {
 }
 
 steps=("${@:2}")
-((${#steps[@]})) || steps=(parity smollm2_dense smollm2_dense_shared step_probe kernel probe
-  smollm2_quick step_probe_async parity_tf32 parity_gather llama8b_mixed llama8b_shared
-  llama8b_gather smollm2_mixed smollm2_shared llama8b_backends attention)
+# The next questions first: the 8B bench with prefill buckets, then the checks and the rest.
+((${#steps[@]})) || steps=(llama8b_mixed llama8b_shared kernel parity parity_bucketed
+  smollm2_mixed smollm2_shared step_probe llama8b_gather llama8b_backends attention probe
+  smollm2_q4 step_probe_async parity_tf32 parity_gather)
 for name in "${steps[@]}"; do "$name"; done
 echo "=== done ($(date +%T)), $((deadline - $(date +%s)))s before the deadline"
 cat "$res/steps.txt"
