@@ -28,15 +28,14 @@ WHEELS=(
 PLAT=()
 for n in 17 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
 mkdir -p "$WORK/whl" "$CACHE"
+# cached NAME==VERSION: the wheel's path in the cache, if it is there.
+cached() { find "$CACHE" -iname "$(echo "${1%%==*}" | tr - _)-${1##*==}-*.whl" | head -1; }
 for spec in "${WHEELS[@]}"; do
-  stem=$(echo "${spec%%==*}" | tr - _)
-  hit=$(find "$CACHE" -iname "${stem}-${spec##*==}-*.whl" 2>/dev/null | head -1)
-  if [[ -z $hit ]]; then
+  if [[ -z $(cached "$spec") ]]; then
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux2014_x86_64 "${PLAT[@]}" -d "$CACHE" "$spec"
-    hit=$(find "$CACHE" -iname "${stem}-${spec##*==}-*.whl" | head -1)
   fi
-  cp "$hit" "$WORK/whl/"
+  cp "$(cached "$spec")" "$WORK/whl/"
 done
 python3 - "$WORK/whl" <<'PY'
 """Rewrite each wheel with stored entries: xz compresses raw bytes far better than deflate."""

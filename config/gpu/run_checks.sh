@@ -88,26 +88,29 @@ llama8b_shared() {
 }
 # The 8B's mixed with decode attention by gathers, and each sampler with async scheduling.
 llama8b_gather() {
-  BATCHD_CUDA_PAGED_KERNEL=0 step bench-llama8b-gather 200 batchd bench --model bench-llama8b \
-    --workload mixed --max-num-seqs 64 --out "$res/bench-llama8b-mixed-gather"
+  BATCHD_CUDA_PAGED_KERNEL=0 bench bench-llama8b-mixed-gather bench-llama8b mixed 200 \
+    --max-num-seqs 64
 }
 llama8b_backends() { bench bench-llama8b-backends bench-llama8b backends 300 --max-num-seqs 64; }
 smollm2_mixed() { bench smollm2-mixed smollm2 mixed 100; }
 smollm2_shared() { bench smollm2-shared-prefix smollm2 shared-prefix 80; }
 smollm2_quick() { bench smollm2-mixed-quick smollm2 mixed 100 --quick; }
+# smollm2_at DIR FLAG: SmolLM2 written to DIR by make-model with FLAG, once.
+smollm2_at() { [[ -f $1/config.json ]] || batchd make-model "$1" --model smollm2 "$2"; }
 # SmolLM2 with its GGUF's 4-bit weights kept (MLX's quantized products build per row tile).
+q4=/tmp/smollm2-q4
 smollm2_q4() {
-  [[ -f /tmp/smollm2-q4/config.json ]] ||
-    batchd make-model /tmp/smollm2-q4 --model smollm2 --keep-quantized &&
-    bench smollm2-q4-mixed-quick /tmp/smollm2-q4 mixed 100 --quick
+  smollm2_at "$q4" --keep-quantized && bench smollm2-q4-mixed-quick "$q4" mixed 100 --quick
 }
-# SmolLM2 written dense by make-model (what the preset's conversion does on CUDA too).
+# SmolLM2 written dense (what the preset's conversion does on CUDA too).
 dense=/tmp/smollm2-dense
-dense_model() {
-  [[ -f $dense/config.json ]] || batchd make-model "$dense" --model smollm2 --no-keep-quantized
+smollm2_dense() {
+  smollm2_at "$dense" --no-keep-quantized && bench smollm2-dense-mixed "$dense" mixed 150
 }
-smollm2_dense() { dense_model && bench smollm2-dense-mixed "$dense" mixed 150; }
-smollm2_dense_shared() { dense_model && bench smollm2-dense-shared-prefix "$dense" shared-prefix 120; }
+smollm2_dense_shared() {
+  smollm2_at "$dense" --no-keep-quantized &&
+    bench smollm2-dense-shared-prefix "$dense" shared-prefix 120
+}
 # Where an 8B-shaped step's time goes (8 of its layers), synchronous and async scheduling.
 step_probe() { step step-probe 150 python3 -m batchd.daemon.bench.gpu.step_probe; }
 step_probe_async() {

@@ -70,7 +70,7 @@ class PrefillChunk:
     row_end: int
     start: int
     blocks: mx.array | None  # [num_blocks] int32; None when start == 0 (fresh K/V only)
-    bias: mx.array  # [rows, keys] float32: 0 where query i may see key j, else MASKED
+    bias: mx.array  # [rows, keys] float32 (fresh: [n, n]): 0 where query i sees key j, else MASKED
     rows: int  # queries attention runs on: the chunk's tokens, or their bucket
 
 
@@ -154,8 +154,9 @@ def make_prefill_chunk(
     rows = prefill_buckets.bucket(num_tokens) if bucketed else num_tokens
     queries = np.arange(start, start + num_tokens)
     if start == 0:
-        # Padded queries and their fresh keys both come last: causal still holds.
-        causal = np.arange(rows)[None, :] <= np.arange(rows)[:, None]
+        # MLX's attention masks causally itself (padded queries and their fresh keys both
+        # come last); the bias is the CPU path's, which reads the real rows only.
+        causal = np.arange(num_tokens)[None, :] <= queries[:, None]
         return PrefillChunk(row_start, row_end, 0, None, _bias(causal), rows)
     num_blocks = -(-(start + num_tokens) // block_size)
     table = np.zeros(num_blocks, dtype=np.int32)
